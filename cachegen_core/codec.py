@@ -1,0 +1,345 @@
+"""KVCodec: ``encode(KVCache, level) -> bytes`` and ``decode(bytes) -> KVCache``.
+
+A blob holds one chunk of a context's KV at one level: quantised anchors and deltas
+(``quantize.py``), range-coded in independent substreams (``coders/``) with the
+tables of a ``Profile`` (or, without one, tables measured on the chunk and stored in
+the blob), inside the checksummed container of ``format.py``.
+
+Substreams: for each kind (K, V), layer and block of ``tokens_per_stream`` tokens,
+one substream of anchors and one of deltas, each in token-major order, so symbol
+``j`` of a substream belongs to channel ``j % channels``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .coders import Coder, StreamLayout, default_coder, get_coder
+from .config import CodecConfig
+from .errors import CacheGenFormatError, CoderError
+from .format import Limits, pack, unpack
+from .kv import KVCache, KVShapeError
+from .profile import Profile, counts_to_freqs, kind_to_ltc, ltc_to_kind
+from .quantize import ALPHABET, DELTA_OFFSET, DELTA_RADIUS, Quantized, dequantize, from_bf16_bits, quantize, to_bf16_bits
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_MAX_DIM = 1 << 14
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """Token blocks of a chunk and the resulting substream sizes."""
+
+    layers: int
+    tokens: int
+    channels: int
+    anchors_per_block: list[int]
+    deltas_per_block: list[int]
+
+    @classmethod
+    def of(cls, layers: int, tokens: int, channels: int, config: CodecConfig) -> "_Geometry":
+        a, d = [], []
+        for start in range(0, tokens, config.tokens_per_stream):
+            n = min(tokens, start + config.tokens_per_stream) - start
+            na = -(-n // config.group_size)
+            a.append(na)
+            d.append(n - na)
+        return cls(layers, tokens, channels, a, d)
+
+    @property
+    def streams_per_kl(self) -> int:
+        return 2 * len(self.anchors_per_block)
+
+    @property
+    def n_streams(self) -> int:
+        return 2 * self.layers * self.streams_per_kl
+
+    def stream_sizes(self) -> np.ndarray:
+        per_kl = np.array([n for pair in zip(self.anchors_per_block, self.deltas_per_block) for n in pair], dtype=np.int64)
+        return np.tile(per_kl * self.channels, 2 * self.layers)
+
+
+class KVCodec:
+    """Encode and decode KV chunks; one instance per (model, codec configuration, profile).
+
+    ``fingerprint`` (the model fingerprint) is written into every blob and, when set,
+    required of every blob decoded. ``coder`` defaults to the fastest available.
+    ``limits`` and ``max_tokens`` bound what a blob may make the decoder allocate.
+    """
+
+    def __init__(
+        self,
+        config: CodecConfig | None = None,
+        profile: Profile | None = None,
+        *,
+        coder: Coder | None = None,
+        fingerprint: str = "",
+        limits: Limits = Limits(),
+        max_tokens: int = 1 << 17,
+    ) -> None:
+        self.config = config or CodecConfig()
+        if profile is not None and profile.codec_id != self.config.codec_id:
+            raise ValueError(
+                f"profile was fitted for codec {profile.codec_id}, not {self.config.codec_id}; refit it with this config"
+            )
+        self.profile = profile
+        self.coder = coder or default_coder()
+        self.fingerprint = fingerprint
+        self.limits = limits
+        self.max_tokens = max_tokens
+
+    @property
+    def levels(self) -> list[int]:
+        """Level numbers, 0 = finest (near-lossless) .. n-1 = most aggressive."""
+        return list(range(self.config.n_levels))
+
+    @property
+    def codec_id(self) -> str:
+        return self.config.codec_id
+
+    @property
+    def profile_id(self) -> str | None:
+        return self.profile.id if self.profile is not None else None
+
+    # ---------------------------------------------------------------- encoding
+    def encode(self, kv: KVCache, level: int | None = None) -> bytes:
+        """Compress ``kv`` (one chunk, any token count >= 1) at ``level`` into a blob."""
+        blob, _ = self.encode_with_stats(kv, level)
+        return blob
+
+    def encode_with_stats(self, kv: KVCache, level: int | None = None) -> tuple[bytes, dict[str, Any]]:
+        """``encode`` plus where the bits went: coded and ideal bits per stream group."""
+        level = self.config.default_level if level is None else level
+        if level not in self.levels:
+            raise ValueError(f"level {level} not in {self.levels}")
+        self._check_kv(kv)
+        layers, heads, tokens, dim = kv.shape
+        channels = heads * dim
+        qs = [
+            quantize(kind_to_ltc(x), self.config.group_size, self.config.delta_steps(level, layers, kind))
+            for kind, x in enumerate((kv.keys, kv.values))
+        ]
+        geo = _Geometry.of(layers, tokens, channels, self.config)
+        symbols = _flatten_symbols(qs, geo, self.config)
+        layout = StreamLayout(np.concatenate([[0], np.cumsum(geo.stream_sizes())]).astype(np.int64), self._table_ids(geo, level))
+        sections = {
+            "anchor_min": _bits(qs, "anchor_min"),
+            "anchor_step": _bits(qs, "anchor_step"),
+            "delta_step": _bits(qs, "delta_step"),
+        }
+        if self.profile is None:
+            freqs = _inline_tables(symbols, layout, geo)
+            sections["tables"] = freqs.astype(np.uint16)
+        else:
+            freqs = self.profile.freqs
+        payloads = self.coder.encode(symbols, layout, freqs)
+        header = {
+            "codec": "cachegen",
+            "codec_id": self.codec_id,
+            "codec_config": self.config.to_dict(),
+            "profile_id": self.profile_id,
+            "model_fingerprint": self.fingerprint,
+            "coder": self.coder.name,
+            "level": level,
+            "shape": [layers, heads, tokens, dim],
+            "dtype": _dtype_name(kv.dtype),
+            "tables": "inline" if self.profile is None else "profile",
+        }
+        blob = pack(header, sections, payloads)
+        return blob, _stats(blob, payloads, symbols, layout, freqs, geo, sections)
+
+    def _check_kv(self, kv: KVCache) -> None:
+        if kv.num_tokens < 1:
+            raise KVShapeError("cannot encode an empty KV cache (0 tokens)")
+        if kv.num_tokens > self.max_tokens:
+            raise KVShapeError(f"chunk of {kv.num_tokens} tokens exceeds max_tokens={self.max_tokens}")
+        if _dtype_name(kv.dtype) not in DTYPES:
+            raise KVShapeError(f"unsupported KV dtype {kv.dtype}")
+        if not torch.isfinite(kv.keys).all() or not torch.isfinite(kv.values).all():
+            raise KVShapeError("KV cache contains NaN or infinite values")
+        if self.profile is not None:
+            m = self.profile.meta
+            if (kv.num_layers, kv.num_kv_heads * kv.head_dim) != (m["num_layers"], m["channels"]):
+                raise KVShapeError(
+                    f"KV of shape {kv.shape} does not match the profile's model "
+                    f"({m['num_layers']} layers, {m['channels']} channels)"
+                )
+
+    def _table_ids(self, geo: _Geometry, level: int) -> np.ndarray:
+        """Table of every (substream, channel): per channel from the profile, else one per (kind, layer, part)."""
+        nb = len(geo.anchors_per_block)
+        kinds, layers, blocks, parts = np.meshgrid(np.arange(2), np.arange(geo.layers), np.arange(nb), np.arange(2), indexing="ij")
+        kinds, layers, parts = kinds.ravel(), layers.ravel(), parts.ravel()
+        if self.profile is None:
+            ids = (kinds * geo.layers + layers) * 2 + parts
+            return np.repeat(ids[:, None], geo.channels, axis=1).astype(np.int32)
+        tl = self.profile.layout
+        anchor = (kinds * tl.num_layers + layers) * tl.channels
+        delta = 2 * tl.num_layers * tl.channels + ((level * 2 + kinds) * tl.num_layers + layers) * tl.channels
+        base = np.where(parts == 0, anchor, delta)
+        return (base[:, None] + np.arange(geo.channels)[None, :]).astype(np.int32)
+
+    # ---------------------------------------------------------------- decoding
+    def decode(self, blob: bytes) -> KVCache:
+        """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``."""
+        c = unpack(blob, self.limits)
+        h = c.header
+        if h.get("codec") != "cachegen" or h.get("codec_id") != self.codec_id:
+            raise CacheGenFormatError(f"blob was written by codec {h.get('codec_id')!r}, this codec is {self.codec_id}")
+        if self.fingerprint and h.get("model_fingerprint") != self.fingerprint:
+            raise CacheGenFormatError("blob belongs to another model (fingerprint mismatch)")
+        tables = h.get("tables")
+        if tables == "profile":
+            if self.profile is None or h.get("profile_id") != self.profile.id:
+                raise CacheGenFormatError(f"blob needs profile {h.get('profile_id')!r}, this codec has {self.profile_id!r}")
+        elif tables != "inline" or h.get("profile_id") is not None:
+            raise CacheGenFormatError(f"bad table source {tables!r}")
+        level = h.get("level")
+        if level not in self.levels or isinstance(level, bool):
+            raise CacheGenFormatError(f"bad level {level!r}")
+        shape = h.get("shape")
+        if (
+            not isinstance(shape, list)
+            or len(shape) != 4
+            or any(not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= _MAX_DIM for d in shape[:2] + shape[3:])
+            or not isinstance(shape[2], int)
+            or isinstance(shape[2], bool)
+            or not 1 <= shape[2] <= self.max_tokens
+        ):
+            raise CacheGenFormatError(f"bad shape {shape!r} (tokens limited to max_tokens={self.max_tokens})")
+        if h.get("dtype") not in DTYPES:
+            raise CacheGenFormatError(f"bad dtype {h.get('dtype')!r}")
+        layers, heads, tokens, dim = shape
+        channels = heads * dim
+        if self.profile is not None and tables == "profile":
+            m = self.profile.meta
+            if (layers, channels) != (m["num_layers"], m["channels"]):
+                raise CacheGenFormatError("blob shape does not match the profile's model")
+        geo = _Geometry.of(layers, tokens, channels, self.config)
+        if len(c.streams) != geo.n_streams:
+            raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {shape} needs {geo.n_streams}")
+        expected = {"anchor_min": (2, layers, channels), "anchor_step": (2, layers, channels), "delta_step": (2, layers, channels)}
+        if tables == "inline":
+            expected["tables"] = (4 * layers, ALPHABET)
+        got = {k: v.shape for k, v in c.sections.items()}
+        if got != expected or any(c.sections[k].dtype != np.uint16 for k in expected):
+            raise CacheGenFormatError(f"sections {got} do not match the expected {expected}")
+        params = {k: from_bf16_bits(torch.from_numpy(c.sections[k].astype(np.int32))) for k in ("anchor_min", "anchor_step", "delta_step")}
+        if not all(torch.isfinite(v).all() for v in params.values()):
+            raise CacheGenFormatError("non-finite quantisation parameters")
+        if not ((params["anchor_step"] > 0).all() and (params["delta_step"] > 0).all()):
+            raise CacheGenFormatError("quantisation steps must be positive")
+        if tables == "inline":
+            freqs = c.sections["tables"].astype(np.uint32)
+        else:
+            freqs = self.profile.freqs  # type: ignore[union-attr]
+        try:
+            coder = get_coder(h.get("coder"))  # type: ignore[arg-type]
+        except (KeyError, TypeError):
+            raise CacheGenFormatError(f"blob was written by coder {h.get('coder')!r}, not available here") from None
+        layout = StreamLayout(np.concatenate([[0], np.cumsum(geo.stream_sizes())]).astype(np.int64), self._table_ids(geo, level))
+        try:
+            symbols = coder.decode(c.streams, layout, freqs)
+        except CoderError:
+            raise
+        except Exception as e:  # a coder must never leak another exception type
+            raise CoderError(f"coder {coder.name} failed: {e}") from e
+        qs = _unflatten_symbols(symbols, geo, self.config)
+        dtype = DTYPES[h["dtype"]]
+        out = []
+        for kind in range(2):
+            anchors, deltas = qs[kind]
+            if deltas.numel() and int(deltas.min()) < DELTA_OFFSET - DELTA_RADIUS:
+                raise CacheGenFormatError("delta symbol out of range")
+            q = Quantized(anchors, deltas, params["anchor_min"][kind], params["anchor_step"][kind], params["delta_step"][kind])
+            x = dequantize(q, self.config.group_size, tokens)
+            if not torch.isfinite(x).all():
+                raise CacheGenFormatError("decoded KV is not finite")
+            out.append(ltc_to_kind(x, heads).to(dtype).contiguous())
+        return KVCache(out[0], out[1])
+
+
+# -------------------------------------------------------------------- helpers
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _bits(qs: list[Quantized], name: str) -> np.ndarray:
+    return torch.stack([to_bf16_bits(getattr(q, name)) for q in qs]).numpy().astype(np.uint16)
+
+
+def _flatten_symbols(qs: list[Quantized], geo: _Geometry, config: CodecConfig) -> np.ndarray:
+    """Symbols of both kinds in substream order (kind, layer, block, anchors|deltas), token-major."""
+    anchors = torch.stack([q.anchors for q in qs])  # (2, L, nA, C)
+    deltas = torch.stack([q.deltas for q in qs])  # (2, L, nD, C)
+    parts = []
+    a0 = d0 = 0
+    for na, nd in zip(geo.anchors_per_block, geo.deltas_per_block):
+        parts.append(anchors[:, :, a0 : a0 + na].reshape(2, geo.layers, -1))
+        parts.append(deltas[:, :, d0 : d0 + nd].reshape(2, geo.layers, -1))
+        a0, d0 = a0 + na, d0 + nd
+    return torch.cat(parts, dim=2).reshape(-1).numpy()
+
+
+def _unflatten_symbols(symbols: np.ndarray, geo: _Geometry, config: CodecConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of ``_flatten_symbols``: per kind, anchors ``(L, nA, C)`` and deltas ``(L, nD, C)``."""
+    per_kl = torch.from_numpy(symbols).reshape(2, geo.layers, -1)
+    sizes = [n * geo.channels for pair in zip(geo.anchors_per_block, geo.deltas_per_block) for n in pair]
+    pieces = torch.split(per_kl, sizes, dim=2)
+    anchors = torch.cat([p.reshape(2, geo.layers, -1, geo.channels) for p in pieces[0::2]], dim=2)
+    deltas = torch.cat([p.reshape(2, geo.layers, -1, geo.channels) for p in pieces[1::2]], dim=2)
+    return [(anchors[k], deltas[k]) for k in range(2)]
+
+
+def _inline_tables(symbols: np.ndarray, layout: StreamLayout, geo: _Geometry) -> np.ndarray:
+    """One table per (kind, layer, part), measured on this chunk's own symbols."""
+    table_of_symbol = np.repeat(layout.table_ids[:, 0].astype(np.int64), layout.counts())
+    counts = np.bincount(table_of_symbol * ALPHABET + symbols, minlength=4 * geo.layers * ALPHABET)
+    return counts_to_freqs(counts.reshape(4 * geo.layers, ALPHABET), alpha=0.0)
+
+
+def _stats(
+    blob: bytes, payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, geo: _Geometry, sections: dict
+) -> dict[str, Any]:
+    """Bits per element, split by kind, anchor/delta and layer group, coded and ideal."""
+    elements = 2 * geo.layers * geo.tokens * geo.channels
+    coded = np.array([8 * len(p) for p in payloads], dtype=np.float64)
+    n = layout.n_streams
+    spk = geo.streams_per_kl
+    kind = np.arange(n) // (geo.layers * spk)
+    layer = (np.arange(n) // spk) % geo.layers
+    part = np.arange(n) % 2
+    group = (layer * 3) // geo.layers
+    ideal = _ideal_bits_per_stream(symbols, layout, freqs)
+    out: dict[str, Any] = {
+        "elements": elements,
+        "blob_bytes": len(blob),
+        "bits_per_element": 8 * len(blob) / elements,
+        "payload_bits_per_element": coded.sum() / elements,
+        "ideal_bits_per_element": ideal.sum() / elements,
+        "side_info_bits_per_element": 8 * (len(blob) - coded.sum() / 8) / elements,
+    }
+    for name, mask in {
+        "keys": kind == 0,
+        "values": kind == 1,
+        "anchors": part == 0,
+        "deltas": part == 1,
+        "layers_early": group == 0,
+        "layers_middle": group == 1,
+        "layers_late": group == 2,
+    }.items():
+        out[f"{name}_bits_per_element"] = coded[mask].sum() / elements
+    return out
+
+
+def _ideal_bits_per_stream(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> np.ndarray:
+    logp = (16 - np.log2(freqs.astype(np.float64))).astype(np.float32)
+    counts = layout.counts()
+    stream_of = np.repeat(np.arange(layout.n_streams), counts)
+    pos = np.arange(layout.n_symbols) - np.repeat(layout.offsets[:-1], counts)
+    tables = layout.table_ids[stream_of, pos % layout.period]
+    return np.bincount(stream_of, weights=logp[tables, symbols], minlength=layout.n_streams)

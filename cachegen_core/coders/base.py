@@ -1,0 +1,122 @@
+"""The entropy-coder interface shared by the reference (torchac) and native coders.
+
+A coder turns many independent *substreams* of 8-bit symbols into one byte string
+each, and back. Probability models are plain data, kept apart from the coder (as in
+constriction): a table set is an integer frequency array ``freqs`` of shape
+``(n_tables, alphabet)`` whose rows each sum to ``2**PRECISION`` with every entry >= 1
+(so every symbol of the alphabet stays encodable, and no zero-width interval can
+confuse a decoder). Which table codes which symbol is given per substream by a short
+*period*: symbol ``j`` of substream ``s`` uses table ``table_ids[s, j % period]``. For
+KV chunks the period is the number of channels, so tables are shared per channel and
+no coder ever materialises a CDF per symbol.
+
+Substreams are independent so that CPU threads and CUDA threads can each decode their
+own with no coordination; the container stores their byte lengths and checksums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from ..errors import CoderError
+
+PRECISION = 16
+TOTAL_FREQ = 1 << PRECISION
+MAX_ALPHABET = 256
+
+
+@dataclass(frozen=True)
+class StreamLayout:
+    """How a flat symbol array is cut into substreams, and the table of every symbol.
+
+    ``offsets``: int64, shape ``(n_streams + 1,)``, non-decreasing, ``offsets[0] == 0``;
+    substream ``s`` holds ``symbols[offsets[s]:offsets[s + 1]]``.
+    ``table_ids``: int32, shape ``(n_streams, period)``; symbol ``j`` of substream ``s``
+    is coded with table ``table_ids[s, j % period]``.
+    """
+
+    offsets: np.ndarray
+    table_ids: np.ndarray
+
+    @property
+    def n_streams(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    @property
+    def n_symbols(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def period(self) -> int:
+        return int(self.table_ids.shape[1])
+
+    def counts(self) -> np.ndarray:
+        """Symbols per substream, int64 ``(n_streams,)``."""
+        return np.diff(self.offsets)
+
+    def validate(self, n_tables: int) -> None:
+        """Raise ``CoderError`` unless the layout is consistent and references valid tables."""
+        off, tid = self.offsets, self.table_ids
+        if off.ndim != 1 or off.shape[0] < 1 or off.dtype != np.int64:
+            raise CoderError("stream offsets must be a 1-D int64 array with at least one entry")
+        if off[0] != 0 or (off.shape[0] > 1 and np.any(np.diff(off) < 0)):
+            raise CoderError("stream offsets must start at 0 and never decrease")
+        if tid.ndim != 2 or tid.dtype != np.int32 or tid.shape[0] != off.shape[0] - 1 or tid.shape[1] < 1:
+            raise CoderError(
+                f"table_ids must be int32 of shape (n_streams={off.shape[0] - 1}, period>=1), got {tid.dtype} {tid.shape}"
+            )
+        if tid.size and (tid.min() < 0 or tid.max() >= n_tables):
+            raise CoderError(f"table_ids reference tables outside [0, {n_tables})")
+
+
+def validate_freqs(freqs: np.ndarray) -> None:
+    """Raise ``CoderError`` unless ``freqs`` is a valid table set (see module docstring)."""
+    if not isinstance(freqs, np.ndarray) or freqs.ndim != 2:
+        raise CoderError("frequency tables must be a 2-D numpy array (n_tables, alphabet)")
+    if freqs.dtype != np.uint32:
+        raise CoderError(f"frequency tables must be uint32, got {freqs.dtype}")
+    n, a = freqs.shape
+    if n < 1 or not (2 <= a <= MAX_ALPHABET):
+        raise CoderError(f"need >= 1 table and an alphabet of 2..{MAX_ALPHABET} symbols, got {freqs.shape}")
+    if freqs.min() < 1:
+        raise CoderError("every symbol needs a frequency >= 1")
+    sums = freqs.sum(axis=1, dtype=np.int64)
+    if np.any(sums != TOTAL_FREQ):
+        raise CoderError(f"every table must sum to {TOTAL_FREQ}")
+
+
+def cross_entropy_bits(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> float:
+    """Ideal code length in bits of ``symbols`` under the tables the layout assigns them."""
+    logp = PRECISION - np.log2(freqs.astype(np.float64))
+    total = 0.0
+    for s in range(layout.n_streams):
+        a, b = int(layout.offsets[s]), int(layout.offsets[s + 1])
+        if a == b:
+            continue
+        tables = np.resize(layout.table_ids[s], b - a)
+        total += float(logp[tables, symbols[a:b]].sum())
+    return total
+
+
+@runtime_checkable
+class Coder(Protocol):
+    """An entropy coder over substreams. Implementations: ``reference`` (torchac), ``native``."""
+
+    #: Recorded in the container so every blob decodes with the coder that wrote it.
+    name: str
+
+    def encode(self, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> list[bytes]:
+        """Code ``symbols`` (uint8, flat, ``< alphabet``) into one byte string per substream."""
+        ...
+
+    def decode(self, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray) -> np.ndarray:
+        """Decode one byte string per substream back into the flat uint8 symbol array.
+
+        Garbage, truncated or oversized payloads raise ``CoderError``, or decode to some
+        symbols in range (an arithmetic decoder cannot always tell); the container's
+        checksums are what reject corrupted bytes. Never crashes, never reads out of bounds.
+        """
+        ...

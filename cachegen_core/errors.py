@@ -1,0 +1,19 @@
+"""Typed errors of the core: every bad input ends in one of these, never in a crash."""
+
+from __future__ import annotations
+
+
+class CacheGenError(Exception):
+    """Base class of every error raised on purpose by cachegen_core."""
+
+
+class CacheGenFormatError(CacheGenError, ValueError):
+    """A blob (or a profile file) is truncated, corrupted, oversized, foreign or otherwise unusable."""
+
+
+class CoderError(CacheGenFormatError):
+    """An entropy coder rejected its input (bad tables, garbage or truncated substream)."""
+
+
+class StoreError(CacheGenError):
+    """A KV store could not complete an operation (server down, disk full, read-only...)."""

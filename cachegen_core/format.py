@@ -1,0 +1,183 @@
+"""The versioned, self-describing bitstream container (spec: ``docs/format.md``).
+
+::
+
+    offset  size  field
+    0       4     magic b"CGKV"
+    4       2     format version (u16, little endian)
+    6       2     reserved, must be 0
+    8       4     header length H (u32)
+    12      4     CRC-32 of the header bytes (u32)
+    16      H     header: UTF-8 JSON object
+    ...           sections, in header order, sizes from their dtype and shape
+    ...           stream table: n_streams x (u32 length, u32 CRC-32)
+    ...           substream payloads, concatenated
+
+The header lists every section with its dtype, shape and CRC-32, the number of
+substreams and the CRC-32 of the stream table. Every length and count is checked
+against the blob's real size and against ``Limits`` before anything is allocated,
+and every failure raises ``CacheGenFormatError`` saying what is wrong. Nothing is
+ever unpickled: sections are raw little-endian arrays of an allow-listed dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .errors import CacheGenFormatError
+
+MAGIC = b"CGKV"
+VERSION = 1
+_PREAMBLE = struct.Struct("<4sHHII")
+_STREAM_ENTRY = struct.Struct("<II")
+SECTION_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "int32": np.int32, "float32": np.float32}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard upper bounds applied to every blob before any allocation."""
+
+    max_blob_bytes: int = 1 << 31
+    max_header_bytes: int = 1 << 20
+    max_streams: int = 1 << 20
+    max_section_elements: int = 1 << 28
+
+
+@dataclass(frozen=True)
+class Container:
+    """A parsed, checksum-verified blob."""
+
+    header: dict[str, Any]
+    sections: dict[str, np.ndarray]
+    streams: list[bytes]
+
+
+def _crc(data: bytes | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def pack(header: Mapping[str, Any], sections: Mapping[str, np.ndarray], streams: Sequence[bytes]) -> bytes:
+    """Serialise a header dict, named arrays and substream payloads into one blob."""
+    sec_meta, sec_bytes = [], []
+    for name, arr in sections.items():
+        dtype = np.dtype(arr.dtype).name
+        if dtype not in SECTION_DTYPES:
+            raise ValueError(f"section {name!r}: dtype {dtype} not allowed")
+        raw = np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
+        sec_meta.append({"name": name, "dtype": dtype, "shape": list(arr.shape), "crc32": _crc(raw)})
+        sec_bytes.append(raw)
+    table = b"".join(_STREAM_ENTRY.pack(len(s), _crc(s)) for s in streams)
+    full = dict(header)
+    full.update({"sections": sec_meta, "n_streams": len(streams), "streams_crc32": _crc(table)})
+    head = json.dumps(full, sort_keys=True, separators=(",", ":")).encode()
+    pre = _PREAMBLE.pack(MAGIC, VERSION, 0, len(head), _crc(head))
+    return b"".join([pre, head, *sec_bytes, table, *streams])
+
+
+def read_header(blob: bytes | memoryview, limits: Limits = Limits()) -> dict[str, Any]:
+    """Parse and verify only the preamble and header (cheap; for ``cachegen inspect``)."""
+    header, _ = _read_header(memoryview(blob), limits)
+    return header
+
+
+def _fail(msg: str) -> CacheGenFormatError:
+    return CacheGenFormatError(msg)
+
+
+def _read_header(mv: memoryview, limits: Limits) -> tuple[dict[str, Any], int]:
+    n = len(mv)
+    if n > limits.max_blob_bytes:
+        raise _fail(f"blob of {n} bytes exceeds max_blob_bytes={limits.max_blob_bytes}")
+    if n < _PREAMBLE.size:
+        raise _fail(f"blob of {n} bytes is shorter than the {_PREAMBLE.size}-byte preamble (truncated?)")
+    magic, version, reserved, hlen, hcrc = _PREAMBLE.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise _fail(f"bad magic {bytes(magic)!r}: not a CacheGen blob")
+    if version != VERSION:
+        raise _fail(f"unsupported format version {version} (this build reads version {VERSION})")
+    if reserved != 0:
+        raise _fail("reserved preamble field is not zero")
+    if hlen > limits.max_header_bytes:
+        raise _fail(f"header length {hlen} exceeds max_header_bytes={limits.max_header_bytes}")
+    end = _PREAMBLE.size + hlen
+    if end > n:
+        raise _fail(f"header claims {hlen} bytes but the blob ends after {n - _PREAMBLE.size} (truncated)")
+    raw = mv[_PREAMBLE.size : end]
+    if _crc(raw) != hcrc:
+        raise _fail("header checksum mismatch (corrupted header)")
+    try:
+        header = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise _fail(f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise _fail("header is not a JSON object")
+    return header, end
+
+
+def _int_field(header: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    v = header.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise _fail(f"header field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def unpack(blob: bytes | memoryview, limits: Limits = Limits()) -> Container:
+    """Parse and verify a whole blob: header, every section and every substream checksum."""
+    mv = memoryview(blob)
+    header, pos = _read_header(mv, limits)
+    n = len(mv)
+    secs = header.get("sections")
+    if not isinstance(secs, list) or len(secs) > 64:
+        raise _fail("header field 'sections' must be a list of at most 64 entries")
+    sections: dict[str, np.ndarray] = {}
+    for s in secs:
+        if not isinstance(s, dict) or not isinstance(s.get("name"), str) or s.get("dtype") not in SECTION_DTYPES:
+            raise _fail(f"bad section descriptor {s!r}")
+        shape = s.get("shape")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 8
+            or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape)
+        ):
+            raise _fail(f"section {s['name']!r}: bad shape {shape!r}")
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if count > limits.max_section_elements:
+            raise _fail(f"section {s['name']!r} claims {count} elements, over the limit")
+        dtype = np.dtype(SECTION_DTYPES[s["dtype"]]).newbyteorder("<")
+        size = count * dtype.itemsize
+        if pos + size > n:
+            raise _fail(f"section {s['name']!r} needs {size} bytes past offset {pos}, blob has {n} (truncated)")
+        raw = mv[pos : pos + size]
+        if _crc(raw) != _int_field(s, "crc32", 0, 0xFFFFFFFF):
+            raise _fail(f"section {s['name']!r} checksum mismatch (corrupted)")
+        if s["name"] in sections:
+            raise _fail(f"duplicate section {s['name']!r}")
+        sections[s["name"]] = np.frombuffer(raw, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+        pos += size
+    n_streams = _int_field(header, "n_streams", 0, limits.max_streams)
+    table_size = n_streams * _STREAM_ENTRY.size
+    if pos + table_size > n:
+        raise _fail(f"stream table of {n_streams} entries runs past the end of the blob (truncated)")
+    table = mv[pos : pos + table_size]
+    if _crc(table) != _int_field(header, "streams_crc32", 0, 0xFFFFFFFF):
+        raise _fail("stream table checksum mismatch (corrupted)")
+    pos += table_size
+    entries = [_STREAM_ENTRY.unpack_from(table, i * _STREAM_ENTRY.size) for i in range(n_streams)]
+    total = sum(length for length, _ in entries)
+    if pos + total != n:
+        what = "truncated" if pos + total > n else "trailing bytes"
+        raise _fail(f"substreams need {total} bytes after offset {pos}, blob has {n - pos} ({what})")
+    streams = []
+    for i, (length, crc) in enumerate(entries):
+        chunk = mv[pos : pos + length]
+        if _crc(chunk) != crc:
+            raise _fail(f"substream {i} checksum mismatch (corrupted)")
+        streams.append(bytes(chunk))
+        pos += length
+    return Container(header, sections, streams)

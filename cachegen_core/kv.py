@@ -1,0 +1,131 @@
+"""KVCache: one canonical layout for a context's KV cache, and conversion to transformers.
+
+Keys and values are each one tensor of shape ``(layers, kv_heads, tokens, head_dim)``
+for a single sequence. ``kv_heads`` is the model's number of key/value heads, so GQA
+and MQA models (fewer KV heads than query heads) need nothing special.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .errors import CacheGenError
+
+
+class KVShapeError(CacheGenError, ValueError):
+    """A KV cache has the wrong shape for the operation (or the model)."""
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys and values of one sequence, each ``(layers, kv_heads, tokens, head_dim)``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.keys.dim() != 4 or self.values.dim() != 4:
+            raise KVShapeError(
+                f"keys and values must be 4-D (layers, kv_heads, tokens, head_dim); got {tuple(self.keys.shape)} "
+                f"and {tuple(self.values.shape)}"
+            )
+        if self.keys.shape != self.values.shape:
+            raise KVShapeError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ in shape")
+        if self.keys.dtype != self.values.dtype:
+            raise KVShapeError(f"keys ({self.keys.dtype}) and values ({self.values.dtype}) differ in dtype")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(layers, kv_heads, tokens, head_dim)``."""
+        return tuple(self.keys.shape)  # type: ignore[return-value]
+
+    @property
+    def num_layers(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def num_elements(self) -> int:
+        """Elements in keys and values together."""
+        return 2 * self.keys.numel()
+
+    def nbytes(self, dtype: torch.dtype | None = None) -> int:
+        """Size in bytes of keys and values as ``dtype`` (default: their own)."""
+        itemsize = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return self.num_elements * itemsize
+
+    def to(self, *args: Any, **kwargs: Any) -> "KVCache":
+        """``Tensor.to`` applied to keys and values."""
+        return KVCache(self.keys.to(*args, **kwargs), self.values.to(*args, **kwargs))
+
+    def slice(self, start: int, end: int | None = None) -> "KVCache":
+        """Tokens ``[start, end)`` (views, no copy)."""
+        return KVCache(self.keys[:, :, start:end], self.values[:, :, start:end])
+
+    @staticmethod
+    def concat(parts: Sequence["KVCache"]) -> "KVCache":
+        """Concatenate caches along the token axis; layers, heads, head_dim and dtype must agree."""
+        if not parts:
+            raise KVShapeError("cannot concatenate an empty list of KV caches")
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.num_layers, p.num_kv_heads, p.head_dim, p.dtype) != (
+                first.num_layers,
+                first.num_kv_heads,
+                first.head_dim,
+                first.dtype,
+            ):
+                raise KVShapeError(f"cannot concatenate KV of shape {p.shape}/{p.dtype} to {first.shape}/{first.dtype}")
+        if len(parts) == 1:
+            return first
+        return KVCache(torch.cat([p.keys for p in parts], dim=2), torch.cat([p.values for p in parts], dim=2))
+
+    @classmethod
+    def from_dynamic_cache(cls, cache: Any, batch_index: int = 0) -> "KVCache":
+        """Take sequence ``batch_index`` out of a transformers ``DynamicCache`` (or legacy tuple cache)."""
+        if hasattr(cache, "layers"):
+            pairs = [(layer.keys, layer.values) for layer in cache.layers]
+        else:  # legacy tuple of (key, value) per layer
+            pairs = [(k, v) for k, v in cache]
+        if not pairs or any(k is None or v is None for k, v in pairs):
+            raise KVShapeError("the cache is empty or has uninitialised layers")
+        keys = torch.stack([k[batch_index] for k, _ in pairs])
+        values = torch.stack([v[batch_index] for _, v in pairs])
+        return cls(keys, values)
+
+    def to_dynamic_cache(self, config: Any = None) -> Any:
+        """A transformers ``DynamicCache`` with batch size 1 holding this KV.
+
+        ``config`` (the model's config) lets transformers pick the right layer types;
+        its layer count must match.
+        """
+        from transformers import DynamicCache  # noqa: PLC0415
+
+        if config is not None:
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            n = getattr(text, "num_hidden_layers", self.num_layers)
+            kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+            if n != self.num_layers:
+                raise KVShapeError(f"model has {n} layers but the KV cache has {self.num_layers}")
+            if kv_heads is not None and kv_heads != self.num_kv_heads:
+                raise KVShapeError(f"model has {kv_heads} KV heads but the KV cache has {self.num_kv_heads}")
+        data = [(self.keys[i : i + 1], self.values[i : i + 1]) for i in range(self.num_layers)]
+        return DynamicCache(data, config=config)

@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from cachegen_core.kv import KVCache, KVShapeError
+
+
+def test_dynamic_cache_round_trip(tiny_llama, tiny_kv):
+    assert tiny_kv.shape == (3, 2, 157, 16)  # GQA: 2 KV heads for 4 query heads
+    cache = tiny_kv.to_dynamic_cache(tiny_llama.config)
+    assert cache.get_seq_length() == 157
+    back = KVCache.from_dynamic_cache(cache)
+    assert torch.equal(back.keys, tiny_kv.keys) and torch.equal(back.values, tiny_kv.values)
+
+
+def test_slice_and_concat(tiny_kv):
+    parts = [tiny_kv.slice(0, 50), tiny_kv.slice(50, 51), tiny_kv.slice(51)]
+    assert [p.num_tokens for p in parts] == [50, 1, 106]
+    joined = KVCache.concat(parts)
+    assert torch.equal(joined.keys, tiny_kv.keys) and torch.equal(joined.values, tiny_kv.values)
+
+
+def test_generate_with_converted_cache_matches_plain(tiny_llama):
+    torch.manual_seed(3)
+    ids = torch.randint(3, 128, (1, 40))
+    with torch.no_grad():
+        plain = tiny_llama.generate(ids, max_new_tokens=8, do_sample=False)
+        kv = KVCache.from_dynamic_cache(tiny_llama(ids[:, :-1], use_cache=True).past_key_values)
+        cached = tiny_llama.generate(ids, past_key_values=kv.to_dynamic_cache(tiny_llama.config), max_new_tokens=8, do_sample=False)
+    assert torch.equal(plain, cached)
+
+
+def test_shape_errors(tiny_llama, tiny_kv):
+    with pytest.raises(KVShapeError, match="4-D"):
+        KVCache(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))
+    with pytest.raises(KVShapeError, match="differ in shape"):
+        KVCache(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 3, 4))
+    with pytest.raises(KVShapeError, match="layers"):
+        KVCache(tiny_kv.keys[:2], tiny_kv.values[:2]).to_dynamic_cache(tiny_llama.config)
+    with pytest.raises(KVShapeError, match="empty"):
+        KVCache.concat([])
+    with pytest.raises(KVShapeError, match="concatenate"):
+        KVCache.concat([tiny_kv, tiny_kv.to(torch.float16)])
