@@ -206,3 +206,26 @@ def _profile_id(freqs: np.ndarray, meta: dict[str, Any]) -> str:
     h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
     h.update(np.ascontiguousarray(freqs, dtype=np.uint32).tobytes())
     return "p-" + h.hexdigest()
+
+
+def profile_dir() -> Path:
+    """Where profiles live: the user cache, beside the converted models."""
+    from platformdirs import user_cache_dir  # noqa: PLC0415
+
+    return Path(user_cache_dir("langchain-cachegen")) / "profiles"
+
+
+def default_profile_path(model_fingerprint: str, config: CodecConfig) -> Path:
+    """The profile path of a model under a codec configuration (found again by fingerprint)."""
+    return profile_dir() / f"{model_fingerprint[:32]}-{config.codec_id}.safetensors"
+
+
+def find_profile(model_fingerprint: str, config: CodecConfig) -> Profile | None:
+    """The stored profile of this model and codec, or None (chunks then carry their own tables)."""
+    path = default_profile_path(model_fingerprint, config)
+    if not path.exists():
+        return None
+    profile = Profile.load(path)
+    if profile.model_fingerprint != model_fingerprint or profile.codec_id != config.codec_id:
+        raise CacheGenFormatError(f"profile {path} belongs to another model or codec")
+    return profile

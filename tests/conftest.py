@@ -45,3 +45,32 @@ def tiny_kv(tiny_llama):
     with torch.no_grad():
         out = tiny_llama(ids, use_cache=True)
     return KVCache.from_dynamic_cache(out.past_key_values)
+
+
+def make_tiny_tokenizer(vocab: int = 128):
+    """A word-level fast tokenizer over words ``w3``..``w{vocab-1}`` (+ pad/bos/eos), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{% for m in messages %}w3 {{ 'w4' if m['role'] == 'user' else 'w5' }} {{ m['content'] }} w6 {% endfor %}"
+        "{% if add_generation_prompt %}w3 w5 {% endif %}"
+    )
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tiny_tokenizer()
+
+
+def words(seed: int, n: int, vocab: int = 128) -> str:
+    """A reproducible prompt of ``n`` words of the tiny vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{int(i)}" for i in torch.randint(7, vocab, (n,), generator=g))
+from tests.redis_fixture import fresh_redis_server, redis_server  # noqa: E402,F401  (real redis-server fixtures)

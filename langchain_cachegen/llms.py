@@ -1,0 +1,164 @@
+"""CacheGenLLM: a LangChain LLM over a local Hugging Face model whose long contexts are reused.
+
+A drop-in for ``HuggingFacePipeline``: every prompt is tokenised and cut into chunks;
+the leading chunks already in the store are fetched and decoded instead of being
+recomputed, and new chunks are stored in the background. Nothing changes in the chain.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models.llms import BaseLLM
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict, Field
+
+from cachegen_core.engine import GenerationInfo, KVEngine
+from cachegen_core.stores.base import KVStore
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cut_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
+    """``text`` up to the first occurrence of any stop sequence, and whether one occurred."""
+    cut = min((i for s in stop or () if s and (i := text.find(s)) >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class StopStreamer:
+    """Incremental stop-sequence filter: never emits text that a stop sequence could still claim."""
+
+    def __init__(self, stop: Sequence[str] | None) -> None:
+        self.stop = [s for s in stop or () if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.buffer = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        """Text safe to emit after ``piece`` arrived ('' once stopped)."""
+        if self.stopped:
+            return ""
+        self.buffer += piece
+        text, hit = cut_at_stop(self.buffer, self.stop)
+        if hit:
+            self.stopped = True
+            self.buffer = ""
+            return text
+        safe = len(self.buffer) - self.hold if self.stop else len(self.buffer)
+        out, self.buffer = self.buffer[: max(safe, 0)], self.buffer[max(safe, 0) :]
+        return out
+
+    def finish(self) -> str:
+        out, self.buffer = ("" if self.stopped else self.buffer), ""
+        return out
+
+
+class CacheGenLLM(BaseLLM):
+    """LangChain LLM backed by a ``KVEngine`` (model + CacheGen codec + KV store).
+
+    Build it with ``CacheGenLLM.from_model_id(...)`` or pass an engine. Generation
+    info of each answer reports ``cached_tokens``, ``recomputed_tokens``, ``levels``,
+    ``bytes_fetched`` and ``ttft_s``.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: KVEngine = Field(exclude=True)
+    model_id: str = DEFAULT_MODEL
+    generation_kwargs: dict[str, Any] = Field(default_factory=lambda: {"max_new_tokens": 256})
+
+    @classmethod
+    def from_model_id(
+        cls,
+        model_id: str | Path = DEFAULT_MODEL,
+        *,
+        store: KVStore | None = None,
+        level: int | None = None,
+        chunk_tokens: int = 1536,
+        profile: Any = "auto",
+        background: bool = True,
+        generation_kwargs: dict[str, Any] | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> "CacheGenLLM":
+        """Load a local transformers directory, a ``.gguf`` file or the bundled reference model by short name."""
+        engine = KVEngine.from_pretrained(
+            model_id,
+            store=store,
+            profile=profile,
+            level=level,
+            chunk_tokens=chunk_tokens,
+            background=background,
+            **(engine_kwargs or {}),
+        )
+        gen = {"max_new_tokens": 256, **(generation_kwargs or {})}
+        return cls(engine=engine, model_id=str(model_id), generation_kwargs=gen, **kwargs)
+
+    @property
+    def _llm_type(self) -> str:
+        return "cachegen"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "model_id": self.model_id,
+            "model_fingerprint": e.fingerprint,
+            "codec_id": e.codec.codec_id,
+            "profile_id": e.codec.profile_id,
+            "level": e.level,
+            "chunk_tokens": e.chunk_tokens,
+            "generation_kwargs": self.generation_kwargs,
+        }
+
+    def _kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        out = {**self.generation_kwargs, **kwargs}
+        if stop:
+            out["stop"] = list(stop)
+        return out
+
+    def _prompt(self, prompt: str) -> Any:
+        """What the engine generates from (token ids in ``ChatCacheGen``)."""
+        return prompt
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for prompt in prompts:
+            text, info = self.engine.generate(self._prompt(prompt), **self._kwargs(stop, kwargs))
+            text, _ = cut_at_stop(text, stop)
+            generations.append([Generation(text=text, generation_info=info.as_dict())])
+        return LLMResult(generations=generations, llm_output={"model_id": self.model_id})
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        filt = StopStreamer(stop)
+        for item in self.engine.stream(self._prompt(prompt), **self._kwargs(stop, kwargs)):
+            if isinstance(item, GenerationInfo):
+                tail = filt.finish()
+                if tail:
+                    yield self._chunk(tail, run_manager)
+                yield GenerationChunk(text="", generation_info=item.as_dict())
+                return
+            text = filt.feed(item)
+            if text:
+                yield self._chunk(text, run_manager)
+
+    @staticmethod
+    def _chunk(text: str, run_manager: CallbackManagerForLLMRun | None) -> GenerationChunk:
+        chunk = GenerationChunk(text=text)
+        if run_manager:
+            run_manager.on_llm_new_token(text, chunk=chunk)
+        return chunk

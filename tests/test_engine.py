@@ -1,0 +1,132 @@
+import logging
+
+import pytest
+import torch
+
+from cachegen_core.chunks import blob_key
+from cachegen_core.engine import KVEngine
+from cachegen_core.stores.memory import MemoryStore
+from tests.conftest import make_tiny_llama, make_tiny_tokenizer, words
+
+CHUNK = 64
+
+
+def plain_greedy(model, tok, prompt, n=10):
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+@pytest.fixture
+def engine(tiny_llama, tiny_tokenizer):
+    return KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, background=False)
+
+
+def test_second_call_hits_every_complete_chunk_and_matches_plain_model(engine, tiny_llama, tiny_tokenizer):
+    prompt = words(1, 200)
+    first, info1 = engine.generate(prompt, max_new_tokens=10)
+    assert info1.cached_tokens == 0 and info1.recomputed_tokens == 200 and info1.chunks_queued == 3
+    second, info2 = engine.generate(prompt, max_new_tokens=10)
+    assert info2.cached_tokens == 192 and info2.recomputed_tokens == 8
+    assert info2.levels == [0, 0, 0] and info2.bytes_fetched > 0 and info2.ttft_s > 0
+    assert first == second == plain_greedy(tiny_llama, tiny_tokenizer, prompt)
+
+
+def test_exact_multiple_of_chunk_size_still_generates(engine, tiny_llama, tiny_tokenizer):
+    prompt = words(2, 2 * CHUNK)
+    engine.generate(prompt, max_new_tokens=6)
+    text, info = engine.generate(prompt, max_new_tokens=6)
+    assert info.cached_tokens == 2 * CHUNK - 1 and info.recomputed_tokens == 1
+    assert text == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 6)
+
+
+def test_shared_prefix_reuses_exactly_the_shared_chunks(engine):
+    base = words(3, 4 * CHUNK).split()
+    engine.generate(" ".join(base), max_new_tokens=2)
+    other = base[: 2 * CHUNK] + words(4, 2 * CHUNK).split()
+    _, info = engine.generate(" ".join(other), max_new_tokens=2)
+    assert info.cached_tokens == 2 * CHUNK
+    changed = list(base)
+    changed[2 * CHUNK + 5] = "w3" if changed[2 * CHUNK + 5] != "w3" else "w4"  # one token of chunk 2
+    _, info = engine.generate(" ".join(changed), max_new_tokens=2)
+    assert info.cached_tokens == 2 * CHUNK  # chunks >= 2 miss
+
+
+@pytest.mark.parametrize("variant", ["model", "dtype", "tokenizer"])
+def test_other_model_dtype_or_tokenizer_never_hits(engine, tiny_llama, tiny_tokenizer, variant):
+    prompt = words(5, 3 * CHUNK)
+    engine.generate(prompt, max_new_tokens=2)
+    model, tok = tiny_llama, tiny_tokenizer
+    if variant == "model":
+        model = make_tiny_llama(seed=1)
+    elif variant == "dtype":
+        model = make_tiny_llama(dtype=torch.bfloat16)
+    else:
+        tok = make_tiny_tokenizer()
+        tok.add_tokens(["extra"])
+    other = KVEngine(model, tok, store=engine.store, chunk_tokens=CHUNK, level=0, background=False)
+    assert other.fingerprint != engine.fingerprint
+    _, info = other.generate(prompt, max_new_tokens=2)
+    assert info.cached_tokens == 0
+
+
+def test_corrupted_blob_is_recomputed_and_logged(engine, tiny_llama, tiny_tokenizer, caplog):
+    prompt = words(6, 3 * CHUNK + 10)
+    engine.generate(prompt, max_new_tokens=8)
+    chunks = engine.chunks(prompt)
+    key = blob_key(chunks[1].key, engine.level)
+    blob = bytearray(engine.store.get(key))
+    blob[len(blob) // 2] ^= 0xFF
+    engine.store.put(key, bytes(blob))
+    with caplog.at_level(logging.WARNING, logger="cachegen_core.engine"):
+        text, info = engine.generate(prompt, max_new_tokens=8)
+    assert info.cached_tokens == CHUNK  # chunk 0 reused, chunk 1 bad, the rest recomputed
+    assert any("bad blob for chunk 1" in r.getMessage() for r in caplog.records)
+    assert text == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 8)
+
+
+def test_foreign_blob_planted_under_a_key_is_rejected(engine, tiny_llama, tiny_tokenizer):
+    prompt = words(7, 2 * CHUNK + 3)
+    engine.generate(prompt, max_new_tokens=4)
+    c0 = engine.chunks(prompt)[0]
+    other = KVEngine(make_tiny_llama(seed=9), tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, background=False)
+    foreign = other.codec.encode(other.calculate_kv(words(8, CHUNK)), 0)
+    engine.store.put(blob_key(c0.key, 0), foreign)
+    text, info = engine.generate(prompt, max_new_tokens=4)
+    assert info.cached_tokens == 0 and "another model" in info.errors[0]
+    assert text == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 4)
+
+
+def test_background_store_and_flush(tiny_llama, tiny_tokenizer):
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=1, background=True)
+    prompt = words(9, 2 * CHUNK + 1)
+    e.generate(prompt, max_new_tokens=2)
+    assert e.flush(timeout=60)
+    assert e.store_stats["written"] == 2
+    _, info = e.generate(prompt, max_new_tokens=2)
+    assert info.cached_tokens == 2 * CHUNK and info.levels == [1, 1]
+
+
+def test_store_kv_get_kv_generate_with_kv(engine, tiny_llama, tiny_tokenizer):
+    context = words(10, 2 * CHUNK)
+    ids = engine.store_kv(context)
+    assert len(ids) == 2
+    kv = engine.get_kv(ids)
+    assert kv.num_tokens == 2 * CHUNK
+    exact = engine.calculate_kv(context)
+    assert (kv.keys - exact.keys).abs().max() < 0.05 * exact.keys.abs().max()
+    prompt = context + " " + words(11, 5)
+    assert engine.generate_with_kv(kv, prompt, max_new_tokens=6) == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 6)
+
+
+def test_stream_matches_generate(engine):
+    prompt = words(12, 150)
+    text, _ = engine.generate(prompt, max_new_tokens=8)
+    items = list(engine.stream(prompt, max_new_tokens=8))
+    assert "".join(items[:-1]).strip() == text.strip() and items[-1].cached_tokens == 128
+
+
+def test_empty_prompt_is_a_clear_error(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("")
