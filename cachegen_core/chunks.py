@@ -1,0 +1,112 @@
+"""Token chunking and prefix-chained chunk keys.
+
+A context's token ids are cut into chunks of ``chunk_tokens``. Chunk *i* covers
+``[i * chunk_tokens, (i + 1) * chunk_tokens)`` and its key is
+
+    blake2b-256(person="cachegen-chunkv1";
+                fingerprint, codec_id, profile_id, chunk_tokens,   # length-prefixed header
+                token ids [0, end of chunk i] as little-endian uint32)
+
+so a chunk is reused only behind exactly the same prefix, model, codec and profile.
+Keys are computed in one pass: a single running hash state is fed chunk by chunk and
+read out after each one (O(n) in the number of tokens). Only complete chunks get keys;
+the incomplete tail is always prefilled by the model.
+
+Store keys. A chunk is stored once per level under ``blob_key(chunk.key, level)`` =
+``"<64 hex chars>-L<level>"``. Stores prepend their own ``namespace`` (e.g.
+``"cachegen:"``), so the full key in a backend is ``namespace + key + "-L" + level``.
+The characters used (hex, ``-``, ``L``, digits) are valid in every LangChain
+``ByteStore``, ``LocalFileStore`` included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Default tokens per chunk (the paper's 1.5K).
+DEFAULT_CHUNK_TOKENS = 1536
+
+_PERSON = b"cachegen-chunkv1"
+_MAX_TOKEN_ID = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One complete chunk: token span ``[start, end)`` of the context and its store key."""
+
+    index: int
+    start: int
+    end: int
+    key: str
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def num_complete_chunks(n_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
+    """How many complete chunks ``n_tokens`` tokens hold."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return max(0, n_tokens) // chunk_tokens
+
+
+def _as_token_array(token_ids: Any) -> np.ndarray:
+    """Token ids (list, tuple, numpy or torch, 1-D) as a little-endian uint32 array."""
+    if hasattr(token_ids, "detach"):  # torch.Tensor, without importing torch here
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype("<u4")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token_ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID:
+        raise ValueError("token ids must be in [0, 2**32)")
+    return arr.astype("<u4", copy=False)
+
+
+def _field(h: Any, data: bytes) -> None:
+    h.update(len(data).to_bytes(8, "little"))
+    h.update(data)
+
+
+def chunk_keys(
+    token_ids: Sequence[int] | Any,
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    fingerprint: str,
+    codec_id: str,
+    profile_id: str,
+) -> list[Chunk]:
+    """The complete chunks of ``token_ids`` with their prefix-chained keys (see module doc).
+
+    ``profile_id`` is ``""`` when the codec runs without a shared profile.
+    """
+    tokens = _as_token_array(token_ids)
+    n_chunks = num_complete_chunks(len(tokens), chunk_tokens)
+    if n_chunks == 0:
+        return []
+    h = hashlib.blake2b(digest_size=32, person=_PERSON)
+    for part in (fingerprint, codec_id, profile_id, str(chunk_tokens)):
+        _field(h, part.encode())
+    chunks: list[Chunk] = []
+    for i in range(n_chunks):
+        start, end = i * chunk_tokens, (i + 1) * chunk_tokens
+        h.update(tokens[start:end].tobytes())
+        # Read out a copy of the running state; the state itself goes on to the next chunk.
+        chunks.append(Chunk(index=i, start=start, end=end, key=h.copy().hexdigest()))
+    return chunks
+
+
+def blob_key(chunk_key: str, level: int) -> str:
+    """Store key (before the store's namespace) of one chunk encoded at one level."""
+    if level < 0:
+        raise ValueError(f"level must be >= 0, got {level}")
+    return f"{chunk_key}-L{level}"

@@ -1,0 +1,177 @@
+"""``DiskCacheStore``: the default store, on local disk via diskcache, with a size limit.
+
+Values are stored as raw bytes (small ones inline in SQLite, larger ones in files
+that are fully written before the row pointing at them is committed), so a reader
+sees a whole blob or nothing. The ``Disk`` used here refuses to store or load
+anything but ``str`` keys and ``bytes`` values: a pickled row planted in the cache
+directory is rejected, never unpickled, and a file-backed value must lie inside the
+directory and be no larger than ``max_value_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import diskcache
+from diskcache.core import MODE_BINARY, MODE_RAW
+from platformdirs import user_cache_dir
+
+from ..errors import StoreError
+from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_SIZE_LIMIT = 10 * GiB
+
+
+def default_directory() -> Path:
+    """``<user cache dir>/langchain-cachegen/kv`` (platformdirs)."""
+    return Path(user_cache_dir("langchain-cachegen")) / "kv"
+
+
+class UnsafeEntryError(Exception):
+    """A row of the cache database is not a plain bytes value under a str key."""
+
+
+class _BytesDisk(diskcache.Disk):
+    """diskcache ``Disk`` that only handles str keys and bytes values: no pickle, ever."""
+
+    max_value_bytes: int | None = None
+
+    def put(self, key: Any) -> tuple[Any, bool]:
+        if type(key) is not str:
+            raise TypeError(f"DiskCacheStore keys must be str, got {type(key).__name__}")
+        return super().put(key)
+
+    def get(self, key: Any, raw: bool) -> Any:
+        # A pickled or bytes key was not written by us: report it as None, never unpickle it.
+        return key if raw and isinstance(key, str) else None
+
+    def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> Any:
+        if type(value) is not bytes or read:
+            raise TypeError("DiskCacheStore values must be bytes")
+        return super().store(value, read, key=key)
+
+    def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> bytes:
+        if read:
+            raise UnsafeEntryError("file handles are not handed out")
+        if mode == MODE_RAW:
+            data = bytes(value) if isinstance(value, (bytes, memoryview)) else None
+            if data is None:
+                raise UnsafeEntryError(f"inline value of type {type(value).__name__}, expected bytes")
+            self._check_size(len(data))
+            return data
+        if mode == MODE_BINARY and isinstance(filename, str):
+            root = os.path.realpath(self._directory)
+            path = os.path.realpath(os.path.join(root, filename))
+            if os.path.commonpath([root, path]) != root:
+                raise UnsafeEntryError(f"value file {filename!r} lies outside the cache directory")
+            with open(path, "rb") as f:  # OSError here reads as "deleted meanwhile": a miss
+                self._check_size(os.fstat(f.fileno()).st_size)
+                return f.read()
+        raise UnsafeEntryError(f"entry of mode {mode} is not a plain bytes value (refused, not unpickled)")
+
+    def _check_size(self, n: int) -> None:
+        if self.max_value_bytes is not None and n > self.max_value_bytes:
+            raise UnsafeEntryError(f"stored value of {n} bytes exceeds max_value_bytes={self.max_value_bytes}")
+
+
+class DiskCacheStore(BaseKVStore):
+    """A ``KVStore`` on a diskcache ``Cache`` directory, shared safely by threads and processes.
+
+    ``size_limit`` bounds the cache's bytes on disk (oldest-stored entries are culled
+    first by default: reads then need no write lock and keep working on a read-only
+    directory). ``timeout`` bounds how long an operation waits on a locked database.
+    Extra keyword arguments are diskcache settings (e.g. ``eviction_policy``).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | None = None,
+        *,
+        size_limit: int = DEFAULT_SIZE_LIMIT,
+        namespace: str = DEFAULT_NAMESPACE,
+        max_value_bytes: int | None = None,
+        timeout: float = 5.0,
+        **settings: Any,
+    ) -> None:
+        if size_limit <= 0:
+            raise ValueError("size_limit must be > 0")
+        max_value_bytes = size_limit if max_value_bytes is None else min(size_limit, max_value_bytes)
+        super().__init__(namespace, max_value_bytes)
+        self.directory = Path(directory) if directory is not None else default_directory()
+        self.size_limit = size_limit
+        settings.setdefault("eviction_policy", "least-recently-stored")
+        with self._errors("open"):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._cache = diskcache.Cache(
+                str(self.directory), timeout=timeout, disk=_BytesDisk, size_limit=size_limit, **settings
+            )
+        self._cache.disk.max_value_bytes = max_value_bytes
+
+    @contextmanager
+    def _errors(self, op: str) -> Iterator[None]:
+        try:
+            yield
+        except StoreError:
+            raise
+        except (OSError, sqlite3.Error, diskcache.Timeout, UnsafeEntryError) as exc:
+            hint = "" if os.access(self.directory, os.W_OK) else " (the cache directory is not writable)"
+            raise StoreError(f"DiskCacheStore {op} failed in {str(self.directory)!r}: {exc!r}{hint}") from exc
+
+    @property
+    def volume(self) -> int:
+        """Estimated bytes on disk (database + value files)."""
+        with self._errors("volume"):
+            return int(self._cache.volume())
+
+    def get(self, key: str) -> bytes | None:
+        full = self._full(key)
+        with self._errors("get"):
+            return self._cache.get(full, default=None, retry=False)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        fulls = [self._full(k) for k in keys]
+        with self._errors("get_many"):
+            return [self._cache.get(f, default=None, retry=False) for f in fulls]
+
+    def put(self, key: str, value: bytes) -> None:
+        full, data = self._full(key), self._value(value)
+        with self._errors("put"):
+            self._cache.set(full, data, retry=False)
+
+    def put_many(self, items: Items) -> None:
+        pairs = [(self._full(k), self._value(v)) for k, v in iter_items(items)]
+        with self._errors("put_many"):
+            for full, data in pairs:
+                self._cache.set(full, data, retry=False)
+
+    def contains(self, key: str) -> bool:
+        full = self._full(key)
+        with self._errors("contains"):
+            return full in self._cache
+
+    def delete(self, key: str) -> None:
+        full = self._full(key)
+        with self._errors("delete"):
+            self._cache.delete(full, retry=False)
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        start = self._full(prefix)
+        with self._errors("keys"):
+            matched = [self._strip(k) for k in self._cache.iterkeys() if isinstance(k, str) and k.startswith(start)]
+        yield from matched
+
+    def close(self) -> None:
+        with self._errors("close"):
+            self._cache.close()
+
+    def __repr__(self) -> str:
+        return f"DiskCacheStore({str(self.directory)!r}, namespace={self.namespace!r}, size_limit={self.size_limit})"
