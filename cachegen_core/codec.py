@@ -24,7 +24,7 @@ from .errors import CacheGenFormatError, CoderError
 from .format import Limits, pack, unpack
 from .kv import KVCache, KVShapeError
 from .profile import Profile, counts_to_freqs, kind_to_ltc, ltc_to_kind
-from .quantize import ALPHABET, DELTA_OFFSET, DELTA_RADIUS, Quantized, dequantize, from_bf16_bits, quantize, to_bf16_bits
+from .quantize import ALPHABET, DELTA_OFFSET, DELTA_RADIUS, Quantized, from_bf16_bits, to_bf16_bits
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_DIM = 1 << 14
@@ -120,7 +120,7 @@ class KVCodec:
         layers, heads, tokens, dim = kv.shape
         channels = heads * dim
         qs = [
-            quantize(kind_to_ltc(x), self.config.group_size, self.config.delta_steps(level, layers, kind))
+            self.config.quantize(kind_to_ltc(x), level, kind)
             for kind, x in enumerate((kv.keys, kv.values))
         ]
         geo = _Geometry.of(layers, tokens, channels, self.config)
@@ -253,10 +253,18 @@ class KVCodec:
         out = []
         for kind in range(2):
             anchors, deltas = qs[kind]
-            if deltas.numel() and int(deltas.min()) < DELTA_OFFSET - DELTA_RADIUS:
-                raise CacheGenFormatError("delta symbol out of range")
-            q = Quantized(anchors, deltas, params["anchor_min"][kind], params["anchor_step"][kind], params["delta_step"][kind])
-            x = dequantize(q, self.config.group_size, tokens)
+            low_a = 0 if self.config.anchor_offset == 0 else DELTA_OFFSET - DELTA_RADIUS
+            if (deltas.numel() and int(deltas.min()) < DELTA_OFFSET - DELTA_RADIUS) or int(anchors.min()) < low_a:
+                raise CacheGenFormatError("symbol out of range")
+            q = Quantized(
+                anchors,
+                deltas,
+                params["anchor_min"][kind],
+                params["anchor_step"][kind],
+                params["delta_step"][kind],
+                self.config.anchor_offset,
+            )
+            x = self.config.dequantize(q, tokens)
             if not torch.isfinite(x).all():
                 raise CacheGenFormatError("decoded KV is not finite")
             out.append(ltc_to_kind(x, heads).to(dtype).contiguous())

@@ -22,7 +22,7 @@ from .coders.base import TOTAL_FREQ
 from .config import CodecConfig
 from .errors import CacheGenFormatError
 from .kv import KVCache
-from .quantize import ALPHABET, quantize
+from .quantize import ALPHABET
 
 PROFILE_FORMAT = "cachegen-profile-v1"
 MAX_PROFILE_TABLES = 1 << 24
@@ -121,7 +121,7 @@ class Profile:
                 for kind, x in enumerate((chunk.keys, chunk.values)):
                     x = kind_to_ltc(x)
                     for level in range(config.n_levels):
-                        q = quantize(x, config.group_size, config.delta_steps(level, x.shape[0], kind))
+                        q = config.quantize(x, level, kind)
                         if level == 0:
                             anchor_counts[kind] += symbol_histogram(q.anchors)
                         delta_counts[level, kind] += symbol_histogram(q.deltas)

@@ -10,15 +10,14 @@ from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.format import Limits, read_header
 from cachegen_core.kv import KVCache, KVShapeError
 from cachegen_core.profile import Profile, kind_to_ltc, ltc_to_kind
-from cachegen_core.quantize import dequantize, quantize
 
 
 def _expected(kv: KVCache, codec: KVCodec, level: int) -> KVCache:
     """What decoding must give exactly: the quantiser's own reconstruction."""
     out = []
     for kind, x in enumerate((kv.keys, kv.values)):
-        q = quantize(kind_to_ltc(x), codec.config.group_size, codec.config.delta_steps(level, kv.num_layers, kind))
-        out.append(ltc_to_kind(dequantize(q, codec.config.group_size, kv.num_tokens), kv.num_kv_heads).to(kv.dtype))
+        q = codec.config.quantize(kind_to_ltc(x), level, kind)
+        out.append(ltc_to_kind(codec.config.dequantize(q, kv.num_tokens), kv.num_kv_heads).to(kv.dtype))
     return KVCache(*out)
 
 
@@ -88,6 +87,7 @@ def test_finest_level_generates_the_same_greedy_tokens(tiny_llama, seed):
 
 @settings(max_examples=25, deadline=None)
 @given(
+    config=st.sampled_from([CodecConfig(), CodecConfig(anchor_mode="level"), CodecConfig(delta_scale="channel")]),
     layers=st.integers(1, 3),
     kv_heads=st.sampled_from([1, 2, 3]),  # 1 = MQA
     tokens=st.sampled_from([1, 2, 9, 10, 11, 19, 161, 333]),
@@ -96,13 +96,13 @@ def test_finest_level_generates_the_same_greedy_tokens(tiny_llama, seed):
     level=st.integers(0, 3),
     seed=st.integers(0, 10_000),
 )
-def test_odd_shapes_round_trip(layers, kv_heads, tokens, head_dim, dtype, level, seed):
+def test_odd_shapes_round_trip(config, layers, kv_heads, tokens, head_dim, dtype, level, seed):
     g = torch.Generator().manual_seed(seed)
     kv = KVCache(
         torch.randn(layers, kv_heads, tokens, head_dim, generator=g).to(dtype),
         torch.randn(layers, kv_heads, tokens, head_dim, generator=g).to(dtype),
     )
-    codec = KVCodec()
+    codec = KVCodec(config)
     got = codec.decode(codec.encode(kv, level))
     want = _expected(kv, codec, level)
     assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)

@@ -5,8 +5,8 @@ from cachegen_core.config import CodecConfig
 from cachegen_core.quantize import anchor_mask, dequantize, layer_groups, quantize
 
 
-def _check_bound(x, group):
-    q = quantize(x, group, torch.linspace(0.5, 3.0, x.shape[0]))
+def _check_bound(x, group, **modes):
+    q = quantize(x, group, torch.linspace(0.5, 3.0, x.shape[0]), **modes)
     y = dequantize(q, group, x.shape[1])
     mask = anchor_mask(x.shape[1], group)
     # Half a step, plus a few float32 ulps of the value itself (the arithmetic's resolution).
@@ -33,11 +33,14 @@ def test_error_within_half_step_on_wild_scales():
     group=st.integers(1, 12),
     scale=st.floats(1e-4, 1e4),
     seed=st.integers(0, 1000),
+    anchor_mode=st.sampled_from(["8bit", "level"]),
+    delta_scale=st.sampled_from(["layer", "channel"]),
 )
-def test_error_bound_property(layers, tokens, channels, group, scale, seed):
+def test_error_bound_property(layers, tokens, channels, group, scale, seed, anchor_mode, delta_scale):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(layers, tokens, channels, generator=g) * scale
-    _check_bound(x, group)
+    x = torch.randn(layers, tokens, channels, generator=g) * scale * torch.logspace(-2, 2, channels)
+    q = _check_bound(x, group, anchor_mode=anchor_mode, delta_scale=delta_scale)
+    assert q.deltas.numel() == 0 or q.deltas.min() >= 1
 
 
 def test_constant_channel_is_exact():
