@@ -1,0 +1,98 @@
+"""Codec micro-benchmark: size, error and speed of every level on real KV of the reference model.
+
+    python -m benchmarks.codec_micro [--quick] [--model M] [--data FILE] [--coder NAME]
+
+One JSON line per level: ``level``, ``bits_per_element`` (headers, scales and tables
+included), ``size_ratio_vs_fp16``, ``rel_mse_keys``, ``rel_mse_values``, ``encode_s``,
+``decode_s`` (per chunk), ``coder``, plus the bit breakdown of the codec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import DEFAULT_MODEL, LONGCHAT, context_kv, emit, load, read_jsonl, setup_threads, transcript_ids
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--data", default=str(LONGCHAT))
+    ap.add_argument("--first", type=int, default=10, help="first transcript (0-9 are the profile's training set)")
+    ap.add_argument("--contexts", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=4608, help="context tokens per transcript")
+    ap.add_argument("--chunk-tokens", type=int, default=1536)
+    ap.add_argument("--coder", default=None, help="coder name (default: the fastest available)")
+    ap.add_argument("--no-profile", action="store_true", help="code with per-chunk tables even if a profile exists")
+    ap.add_argument("--quick", action="store_true", help="1 context of one chunk (< 2 minutes)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.contexts, args.tokens = 1, args.chunk_tokens
+    setup_threads()
+
+    from cachegen_core.codec import KVCodec
+    from cachegen_core.coders import default_coder, get_coder
+    from cachegen_core.config import CodecConfig
+    from cachegen_core.fingerprint import model_fingerprint
+    from cachegen_core.kv import KVCache
+    from cachegen_core.profile import find_profile
+
+    model, tok = load(args.model)
+    fp = model_fingerprint(model, tok)
+    config = CodecConfig()
+    profile = None if args.no_profile else find_profile(fp, config)
+    coder = get_coder(args.coder) if args.coder else default_coder()
+    codec = KVCodec(config, profile, coder=coder, fingerprint=fp)
+    texts = read_jsonl(args.data, "prompt")[args.first :]
+    chunks: list[KVCache] = []
+    for ids in transcript_ids(tok, texts, args.tokens):
+        kv = context_kv(model, ids)
+        chunks += [kv.slice(s, s + args.chunk_tokens) for s in range(0, kv.num_tokens, args.chunk_tokens)]
+        if len(chunks) * args.chunk_tokens >= args.contexts * args.tokens:
+            break
+    for level in codec.levels:
+        tot = {"bits": 0.0, "el": 0, "enc": 0.0, "dec": 0.0, "sek": 0.0, "sk": 0.0, "sev": 0.0, "sv": 0.0}
+        breakdown: dict[str, float] = {}
+        for kv in chunks:
+            t0 = time.perf_counter()
+            blob, stats = codec.encode_with_stats(kv, level)
+            t1 = time.perf_counter()
+            out = codec.decode(blob)
+            t2 = time.perf_counter()
+            tot["bits"] += 8 * len(blob)
+            tot["el"] += kv.num_elements
+            tot["enc"] += t1 - t0
+            tot["dec"] += t2 - t1
+            k, v = kv.keys.float(), kv.values.float()
+            tot["sek"] += (out.keys.float() - k).square().sum().item()
+            tot["sk"] += k.square().sum().item()
+            tot["sev"] += (out.values.float() - v).square().sum().item()
+            tot["sv"] += v.square().sum().item()
+            for key, val in stats.items():
+                if key.endswith("bits_per_element"):
+                    breakdown[key] = breakdown.get(key, 0.0) + val * kv.num_elements
+        bpe = tot["bits"] / tot["el"]
+        emit(
+            {
+                "level": level,
+                "bits_per_element": round(bpe, 4),
+                "size_ratio_vs_fp16": round(bpe / 16, 5),
+                "rel_mse_keys": tot["sek"] / tot["sk"],
+                "rel_mse_values": tot["sev"] / tot["sv"],
+                "encode_s": round(tot["enc"] / len(chunks), 3),
+                "decode_s": round(tot["dec"] / len(chunks), 3),
+                "coder": codec.coder.name,
+                "tables": "profile" if profile else "inline",
+                "chunks": len(chunks),
+                "chunk_tokens": args.chunk_tokens,
+                "model": args.model,
+                **{k: round(v / tot["el"], 4) for k, v in breakdown.items() if k != "bits_per_element"},
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Quality against size: CacheGen at every level vs fp16, uniform 8/4-bit, KIVI 2-bit and zstd.
+
+    python -m benchmarks.quality_size [--quick] [--model M] [--data FILE] [--plot FILE.png] [--out FILE.jsonl]
+
+Each context is the first C tokens of a transcript; its KV is built once with the
+model, passed through a method, and the next 256 tokens are scored teacher-forced on
+the reconstructed KV. One JSON line per (method, level, context length): bits per
+element (everything stored), size ratio vs fp16, perplexity, its relative change vs
+fp16, top-1 agreement with fp16, and LongChat task accuracy (the transcript's question
+asked on top of the reconstructed KV; does the answer name the first topic?).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from benchmarks import baselines
+from benchmarks.common import DEFAULT_MODEL, LONGCHAT, context_kv, emit, load, read_jsonl, setup_threads
+from cachegen_core.kv import KVCache
+
+QUESTION = (
+    " \n USER: Great, this is the end of our discussion. Now the record ends. What is the first topic we discussed? "
+    "Only give me the topic name. Do not summarize yourself. ASSISTANT:"
+)
+Method = Callable[[KVCache], tuple[KVCache, int]]
+
+
+@dataclass
+class Tally:
+    """Running sums for one (method, level, context length)."""
+
+    bytes: int = 0
+    elements: int = 0
+    nll: float = 0.0
+    count: int = 0
+    agree: int = 0
+    correct: int = 0
+    asked: int = 0
+    contexts: int = 0
+    seconds: float = 0.0
+    answers: list[str] = field(default_factory=list)
+
+
+@torch.no_grad()
+def score(model: Any, kv: KVCache, continuation: list[int]) -> tuple[float, int, torch.Tensor]:
+    """Teacher-forced NLL (sum) of ``continuation[1:]`` on top of ``kv``, the count, and the argmax predictions."""
+    dtype = next(model.parameters()).dtype
+    past = kv.to(device=model.device, dtype=dtype).to_dynamic_cache(model.config)
+    logits = model(torch.tensor([continuation], device=model.device), past_key_values=past).logits[0, :-1].float()
+    target = torch.tensor(continuation[1:], device=model.device)
+    nll = torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+    return nll, len(continuation) - 1, logits.argmax(-1).cpu()
+
+
+@torch.no_grad()
+def answer(model: Any, tokenizer: Any, kv: KVCache, context: list[int], max_new_tokens: int = 24) -> str:
+    """Greedy answer to the LongChat question asked after ``context`` whose KV is ``kv``."""
+    q = tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([context + q], device=model.device)
+    dtype = next(model.parameters()).dtype
+    past = kv.to(device=model.device, dtype=dtype).to_dynamic_cache(model.config)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=past,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def names_topic(answer_text: str, topic: str) -> bool:
+    """Whether the answer names the topic: most of the topic's content words appear in it."""
+    words = [w for w in re.findall(r"[a-z]+", topic.lower()) if w not in {"the", "of", "a", "an", "and", "in", "on", "to", "for"}]
+    said = set(re.findall(r"[a-z]+", answer_text.lower()))
+    return bool(words) and sum(w in said for w in words) >= max(1, math.ceil(0.6 * len(words)))
+
+
+def methods(codec: Any, chunk_tokens: int, zstd_level: int = 19) -> dict[tuple[str, int | None], Method]:
+    """Every method under test, keyed by (name, level)."""
+
+    def cachegen(level: int) -> Method:
+        def run(kv: KVCache) -> tuple[KVCache, int]:
+            parts, size = [], 0
+            for s in range(0, kv.num_tokens, chunk_tokens):
+                blob = codec.encode(kv.slice(s, s + chunk_tokens), level)
+                size += len(blob)
+                parts.append(codec.decode(blob))
+            return KVCache.concat(parts), size
+
+        return run
+
+    out: dict[tuple[str, int | None], Method] = {("fp16", None): baselines.fp16}
+    for lv in codec.levels:
+        out[("cachegen", lv)] = cachegen(lv)
+    out[("uniform8", None)] = lambda kv: baselines.uniform(kv, 8)
+    out[("uniform4", None)] = lambda kv: baselines.uniform(kv, 4)
+    out[("kivi2", None)] = baselines.kivi2
+    out[("zstd", None)] = lambda kv: baselines.zstd(kv, zstd_level)
+    return out
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    records: list[dict[str, Any]],
+    context_tokens: int,
+    codec: Any,
+    *,
+    continuation_tokens: int = 256,
+    chunk_tokens: int = 1536,
+    task: bool = True,
+    zstd_level: int = 19,
+    progress: bool = True,
+) -> dict[tuple[str, int | None], Tally]:
+    """Run every method on every record long enough for ``context_tokens + continuation_tokens``."""
+    from tqdm import tqdm  # noqa: PLC0415
+
+    tallies: dict[tuple[str, int | None], Tally] = {}
+    ms = methods(codec, chunk_tokens, zstd_level)
+    for rec in tqdm(records, desc=f"C={context_tokens}", disable=not progress, file=sys.stderr):
+        ids = tokenizer(rec["prompt"])["input_ids"]
+        if len(ids) < context_tokens + continuation_tokens:
+            continue
+        ctx, cont = ids[:context_tokens], ids[context_tokens : context_tokens + continuation_tokens]
+        kv = context_kv(model, ctx)
+        ref_nll = ref_top = None
+        for key, method in ms.items():
+            t = tallies.setdefault(key, Tally())
+            t0 = time.perf_counter()
+            kv_hat, size = method(kv)
+            t.seconds += time.perf_counter() - t0
+            nll, n, top = score(model, kv_hat, cont)
+            if ref_top is None:  # fp16 comes first: the reference
+                ref_nll, ref_top = nll, top
+            t.bytes += size
+            t.elements += kv.num_elements
+            t.nll += nll
+            t.count += n
+            t.agree += int((top == ref_top).sum())
+            t.contexts += 1
+            if task and rec.get("label"):
+                text = answer(model, tokenizer, kv_hat, ctx)
+                t.asked += 1
+                t.correct += names_topic(text, rec["label"][0])
+                t.answers.append(text.strip()[:80])
+    return tallies
+
+
+def summarise(tallies: dict[tuple[str, int | None], Tally], context_tokens: int) -> list[dict[str, Any]]:
+    """One JSON-ready record per method."""
+    ref = tallies[("fp16", None)]
+    ref_ppl = math.exp(ref.nll / ref.count)
+    out = []
+    for (name, level), t in tallies.items():
+        bpe = 8 * t.bytes / t.elements
+        ppl = math.exp(t.nll / t.count)
+        out.append(
+            {
+                "method": name,
+                "level": level,
+                "context_tokens": context_tokens,
+                "n_contexts": t.contexts,
+                "bits_per_element": round(bpe, 4),
+                "size_ratio_vs_fp16": round(bpe / 16, 5),
+                "ppl": round(ppl, 4),
+                "ppl_rel_delta": round(ppl / ref_ppl - 1, 6),
+                "top1_agreement": round(t.agree / t.count, 5),
+                "task_accuracy": round(t.correct / t.asked, 4) if t.asked else None,
+                "fp16_task_accuracy": round(ref.correct / ref.asked, 4) if ref.asked else None,
+                "seconds_per_context": round(t.seconds / max(t.contexts, 1), 3),
+            }
+        )
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Rate-distortion picture: bits per element vs perplexity increase, one curve per method."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    lengths = sorted({r["context_tokens"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
+    for ax, c in zip(axes[0], lengths):
+        by: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            if r["context_tokens"] == c:
+                by.setdefault(r["method"], []).append(r)
+        for name, rs in by.items():
+            rs.sort(key=lambda r: r["bits_per_element"])
+            ax.plot([r["bits_per_element"] for r in rs], [100 * r["ppl_rel_delta"] for r in rs], "o-", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("bits per element (log)")
+        ax.set_ylabel("perplexity increase vs fp16 (%)")
+        ax.set_title(f"context {c} tokens")
+        ax.axhline(1.0, color="grey", lw=0.5, ls="--")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--data", default=str(LONGCHAT))
+    ap.add_argument("--first", type=int, default=10, help="first record used (0-9 trained the profile)")
+    ap.add_argument("--last", type=int, default=25, help="one past the last record used")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1536, 4096, 7680])
+    ap.add_argument("--chunk-tokens", type=int, default=1536)
+    ap.add_argument("--no-task", action="store_true", help="skip the LongChat question")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--zstd-level", type=int, default=19)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    ap.add_argument("--quick", action="store_true", help="2 contexts of 1536 tokens (< 3 minutes)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.last, args.contexts, args.zstd_level = args.first + 2, [1536], 10
+    setup_threads()
+
+    from cachegen_core.codec import KVCodec  # noqa: PLC0415
+    from cachegen_core.config import CodecConfig  # noqa: PLC0415
+    from cachegen_core.fingerprint import model_fingerprint  # noqa: PLC0415
+    from cachegen_core.profile import find_profile  # noqa: PLC0415
+
+    model, tok = load(args.model)
+    fp = model_fingerprint(model, tok)
+    config = CodecConfig()
+    profile = None if args.no_profile else find_profile(fp, config)
+    print(f"# profile: {profile.id if profile else 'none (inline tables)'}", file=sys.stderr)
+    codec = KVCodec(config, profile, fingerprint=fp)
+    records = read_jsonl(args.data)[args.first : args.last]
+    out = open(args.out, "a") if args.out else None
+    rows = []
+    for c in args.contexts:
+        tallies = evaluate(model, tok, records, c, codec, chunk_tokens=args.chunk_tokens, task=not args.no_task, zstd_level=args.zstd_level)
+        if not tallies:
+            print(f"# no record has {c} + 256 tokens", file=sys.stderr)
+            continue
+        for row in summarise(tallies, c):
+            row["tables"] = "profile" if profile else "inline"
+            emit(row, out)
+            rows.append(row)
+    if args.plot and rows:
+        plot(rows, args.plot)
+        print(f"# plot written to {args.plot}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
