@@ -39,7 +39,7 @@ class CodecConfig:
     """
 
     group_size: int = 10
-    tokens_per_stream: int = 160
+    tokens_per_stream: int = 480
     levels: tuple[tuple[float, float, float], ...] = field(default=DEFAULT_LEVELS)
     value_step_scale: float = 1.25
     default_level: int = 1

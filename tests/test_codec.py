@@ -141,7 +141,7 @@ def test_foreign_blobs_are_rejected(tiny_kv):
     with pytest.raises(CacheGenFormatError, match="another model"):
         KVCodec(fingerprint="model-b").decode(blob)
     with pytest.raises(CacheGenFormatError, match="codec"):
-        KVCodec(CodecConfig(group_size=5, tokens_per_stream=160)).decode(blob)
+        KVCodec(CodecConfig(group_size=5)).decode(blob)
     with pytest.raises(CacheGenFormatError, match="max_tokens"):
         KVCodec(max_tokens=100).decode(blob)
     with pytest.raises(CacheGenFormatError, match="max_blob_bytes"):

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from .base import Coder, StreamLayout
 from .reference import ReferenceCoder
 
 __all__ = ["Coder", "StreamLayout", "ReferenceCoder", "get_coder", "default_coder", "available_coders"]
 
 
+@lru_cache(maxsize=1)
 def available_coders() -> dict[str, type]:
-    """Coder classes that can run in this process, by recorded name."""
-    return {ReferenceCoder.name: ReferenceCoder}
+    """Coder classes that can run in this process, by recorded name (native first when it loads)."""
+    from . import native  # noqa: PLC0415
+
+    coders: dict[str, type] = {}
+    if native.available():
+        coders[native.NativeCoder.name] = native.NativeCoder
+    coders[ReferenceCoder.name] = ReferenceCoder
+    return coders
 
 
 def get_coder(name: str) -> Coder:
@@ -19,5 +28,5 @@ def get_coder(name: str) -> Coder:
 
 
 def default_coder() -> Coder:
-    """The fastest coder available here."""
-    return ReferenceCoder()
+    """The fastest coder available here: native when its library loads, else torchac."""
+    return next(iter(available_coders().values()))()

@@ -1,0 +1,32 @@
+"""Build the native rANS coder (csrc/) as a plain shared library shipped inside cachegen_core.
+
+It is loaded with ctypes, not imported, so it needs no Python or torch headers and
+builds in seconds. Metadata lives in pyproject.toml.
+"""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildSharedLibrary(build_ext):
+    """Compile the C++ core without Python's module conventions (no PyInit symbol is needed)."""
+
+    def get_export_symbols(self, ext):  # noqa: D102
+        return []
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "cachegen_core._native",
+            sources=["csrc/rans_cpu.cpp"],
+            depends=["csrc/rans_core.h"],
+            include_dirs=["csrc"],
+            language="c++",
+            extra_compile_args=["-O3", "-std=c++17"],
+            extra_link_args=["-pthread"],
+            optional=True,  # without a compiler the package still installs; the reference coder is used
+        )
+    ],
+    cmdclass={"build_ext": BuildSharedLibrary},
+)
