@@ -5,7 +5,7 @@ A blob holds one chunk of a context's KV at one level: quantised anchors and del
 tables of a ``Profile`` (or, without one, tables measured on the chunk and stored in
 the blob), inside the checksummed container of ``format.py``.
 
-Substreams: for each kind (K, V), layer and block of ``tokens_per_stream`` tokens,
+Substreams: for each kind (K, V), layer and block of ``config.tokens_per_stream(channels)`` tokens,
 one substream of anchors and one of deltas, each in token-major order, so symbol
 ``j`` of a substream belongs to channel ``j % channels``.
 """
@@ -43,8 +43,9 @@ class _Geometry:
     @classmethod
     def of(cls, layers: int, tokens: int, channels: int, config: CodecConfig) -> "_Geometry":
         a, d = [], []
-        for start in range(0, tokens, config.tokens_per_stream):
-            n = min(tokens, start + config.tokens_per_stream) - start
+        block = config.tokens_per_stream(channels)
+        for start in range(0, tokens, block):
+            n = min(tokens, start + block) - start
             na = -(-n // config.group_size)
             a.append(na)
             d.append(n - na)
@@ -61,6 +62,20 @@ class _Geometry:
     def stream_sizes(self) -> np.ndarray:
         per_kl = np.array([n for pair in zip(self.anchors_per_block, self.deltas_per_block) for n in pair], dtype=np.int64)
         return np.tile(per_kl * self.channels, 2 * self.layers)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A chunk quantised and laid out for the entropy coder."""
+
+    level: int
+    shape: list[int]
+    dtype: str
+    geometry: _Geometry
+    symbols: np.ndarray
+    layout: StreamLayout
+    freqs: np.ndarray
+    sections: dict[str, np.ndarray]
 
 
 class KVCodec:
@@ -111,32 +126,29 @@ class KVCodec:
         blob, _ = self.encode_with_stats(kv, level)
         return blob
 
-    def encode_with_stats(self, kv: KVCache, level: int | None = None) -> tuple[bytes, dict[str, Any]]:
-        """``encode`` plus where the bits went: coded and ideal bits per stream group."""
+    def prepare(self, kv: KVCache, level: int | None = None) -> "Prepared":
+        """Quantise ``kv`` and lay out its symbols for the coder (everything ``encode`` does but coding)."""
         level = self.config.default_level if level is None else level
         if level not in self.levels:
             raise ValueError(f"level {level} not in {self.levels}")
         self._check_kv(kv)
         layers, heads, tokens, dim = kv.shape
-        channels = heads * dim
-        qs = [
-            self.config.quantize(kind_to_ltc(x), level, kind)
-            for kind, x in enumerate((kv.keys, kv.values))
-        ]
-        geo = _Geometry.of(layers, tokens, channels, self.config)
+        qs = [self.config.quantize(kind_to_ltc(x), level, kind) for kind, x in enumerate((kv.keys, kv.values))]
+        geo = _Geometry.of(layers, tokens, heads * dim, self.config)
         symbols = _flatten_symbols(qs, geo, self.config)
         layout = StreamLayout(np.concatenate([[0], np.cumsum(geo.stream_sizes())]).astype(np.int64), self._table_ids(geo, level))
-        sections = {
-            "anchor_min": _bits(qs, "anchor_min"),
-            "anchor_step": _bits(qs, "anchor_step"),
-            "delta_step": _bits(qs, "delta_step"),
-        }
+        sections = {name: _bits(qs, name) for name in ("anchor_min", "anchor_step", "delta_step")}
         if self.profile is None:
             freqs = _inline_tables(symbols, layout, geo)
             sections["tables"] = freqs.astype(np.uint16)
         else:
             freqs = self.profile.freqs
-        payloads = self.coder.encode(symbols, layout, freqs)
+        return Prepared(level, list(kv.shape), _dtype_name(kv.dtype), geo, symbols, layout, freqs, sections)
+
+    def encode_with_stats(self, kv: KVCache, level: int | None = None) -> tuple[bytes, dict[str, Any]]:
+        """``encode`` plus where the bits went: coded and ideal bits per stream group."""
+        p = self.prepare(kv, level)
+        payloads = self.coder.encode(p.symbols, p.layout, p.freqs)
         header = {
             "codec": "cachegen",
             "codec_id": self.codec_id,
@@ -144,13 +156,13 @@ class KVCodec:
             "profile_id": self.profile_id,
             "model_fingerprint": self.fingerprint,
             "coder": self.coder.name,
-            "level": level,
-            "shape": [layers, heads, tokens, dim],
-            "dtype": _dtype_name(kv.dtype),
+            "level": p.level,
+            "shape": p.shape,
+            "dtype": p.dtype,
             "tables": "inline" if self.profile is None else "profile",
         }
-        blob = pack(header, sections, payloads)
-        return blob, _stats(blob, payloads, symbols, layout, freqs, geo, sections)
+        blob = pack(header, p.sections, payloads)
+        return blob, _stats(blob, payloads, p.symbols, p.layout, p.freqs, p.geometry)
 
     def _check_kv(self, kv: KVCache) -> None:
         if kv.num_tokens < 1:
@@ -310,9 +322,7 @@ def _inline_tables(symbols: np.ndarray, layout: StreamLayout, geo: _Geometry) ->
     return counts_to_freqs(counts.reshape(4 * geo.layers, ALPHABET), alpha=0.0)
 
 
-def _stats(
-    blob: bytes, payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, geo: _Geometry, sections: dict
-) -> dict[str, Any]:
+def _stats(blob: bytes, payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, geo: _Geometry) -> dict[str, Any]:
     """Bits per element, split by kind, anchor/delta and layer group, coded and ideal."""
     elements = 2 * geo.layers * geo.tokens * geo.channels
     coded = np.array([8 * len(p) for p in payloads], dtype=np.float64)

@@ -27,9 +27,11 @@ DEFAULT_LEVELS: tuple[tuple[float, float, float], ...] = (
 class CodecConfig:
     """What a blob needs beyond its own header to be decoded the same way it was encoded.
 
-    ``group_size``: tokens per anchor group. ``tokens_per_stream``: tokens per
-    substream (a multiple of ``group_size``); shorter substreams mean more parallel
-    decoding and bounded memory in the reference coder, at ~10 bytes of overhead each.
+    ``group_size``: tokens per anchor group. ``stream_symbols``: target symbols per
+    substream; the token block of a substream is the multiple of ``group_size`` closest
+    to ``stream_symbols / channels``. More substreams mean more parallel decoding (a
+    CUDA warp each) and bounded memory in the reference coder, at ~72 bytes each
+    (coder state flush and stream table entry).
     ``levels``: steps per layer group for each level, in units of the RMS of what is
     coded. ``value_step_scale``: the values' steps relative to the keys'.
     ``default_level``: used when none is asked. ``anchor_mode``: ``"level"`` codes
@@ -39,7 +41,7 @@ class CodecConfig:
     """
 
     group_size: int = 10
-    tokens_per_stream: int = 480
+    stream_symbols: int = 1 << 16
     levels: tuple[tuple[float, float, float], ...] = field(default=DEFAULT_LEVELS)
     value_step_scale: float = 1.25
     default_level: int = 1
@@ -49,8 +51,8 @@ class CodecConfig:
     def __post_init__(self) -> None:
         if self.group_size < 1:
             raise ValueError("group_size must be >= 1")
-        if self.tokens_per_stream < self.group_size or self.tokens_per_stream % self.group_size:
-            raise ValueError("tokens_per_stream must be a positive multiple of group_size")
+        if self.stream_symbols < 1:
+            raise ValueError("stream_symbols must be >= 1")
         if not self.levels or any(len(lv) != 3 or min(lv) <= 0 for lv in self.levels):
             raise ValueError("levels must be a non-empty sequence of 3 positive steps (early, middle, late layers)")
         object.__setattr__(self, "levels", tuple(tuple(float(s) for s in lv) for lv in self.levels))
@@ -71,6 +73,11 @@ class CodecConfig:
             raise ValueError(f"level {level} not in [0, {self.n_levels})")
         steps = torch.tensor(self.levels[level], dtype=torch.float32)[layer_groups(num_layers)]
         return steps * (self.value_step_scale if kind == 1 else 1.0)
+
+    def tokens_per_stream(self, channels: int) -> int:
+        """Tokens per substream block for a model with ``channels`` KV channels per layer."""
+        groups = max(1, round(self.stream_symbols / max(channels, 1) / self.group_size))
+        return groups * self.group_size
 
     @property
     def anchor_offset(self) -> int:

@@ -15,8 +15,10 @@
 
 #ifdef __CUDACC__
 #define CG_HD __host__ __device__ __forceinline__
+#define CG_UNROLL _Pragma("unroll")
 #else
 #define CG_HD inline
+#define CG_UNROLL _Pragma("GCC unroll 16")
 #endif
 
 #define CG_LANES 16
@@ -92,14 +94,14 @@ CG_HD int cg_decode_stream(const uint8_t* in, int64_t in_len, int64_t n, const i
     int64_t j = 0;
     for (; j + CG_LANES <= n; j += CG_LANES) {
         uint32_t sym[CG_LANES];
-#pragma GCC unroll 16
+CG_UNROLL
         for (int k = 0; k < CG_LANES; ++k) {
             int32_t tk = t + k;
             tk -= (tk >= period) ? period : 0;
             if (tk >= period) tk %= period;  // only when period < CG_LANES
             sym[k] = cg_dec_get(&x[k], cdf + (int64_t)table_ids[tk] * stride, alphabet);
         }
-#pragma GCC unroll 16
+CG_UNROLL
         for (int k = 0; k < CG_LANES; ++k) {
             out[j + k] = (uint8_t)sym[k];
             if (x[k] < CG_RANS_L) {

@@ -140,3 +140,34 @@ def test_codec_picks_native_by_default():
 def test_cuda_sources_compile(tmp_path: Path):
     for cu in CSRC.glob("*.cu"):
         subprocess.run(["nvcc", "-c", str(cu), "-o", str(tmp_path / (cu.stem + ".o")), "-I", str(CSRC)], check=True)
+
+
+def _cuda_ready() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available() and shutil.which("nvcc") is not None
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _cuda_ready(), reason="needs a GPU and nvcc")
+def test_cuda_decode_equals_cpu_decode():
+    rng = np.random.default_rng(7)
+    c = NativeCoder()
+    for alphabet, counts, period in [(256, [0, 1, 17, 100_000, 5], 192), (2, [3000, 3001], 1), (40, [16, 15, 33], 7)]:
+        freqs = tables(rng, 9, alphabet)
+        layout = layout_of(counts, rng.integers(0, 9, (len(counts), period)))
+        sym = sample(rng, freqs, layout)
+        payloads = c.encode(sym, layout, freqs)
+        cpu = c.decode(payloads, layout, freqs)
+        gpu = c.decode_cuda(payloads, layout, freqs).cpu().numpy()
+        assert np.array_equal(gpu, cpu) and np.array_equal(cpu, sym)
+        big = max(range(len(counts)), key=lambda i: counts[i])
+        broken = list(payloads)
+        broken[big] = broken[big][:-2]
+        with pytest.raises(CoderError):
+            c.decode_cuda(broken, layout, freqs)
+        broken[big] = payloads[big] + b"\0\0"
+        with pytest.raises(CoderError, match="trailing"):
+            c.decode_cuda(broken, layout, freqs)

@@ -37,18 +37,25 @@ _lib_error: str | None = None
 _lock = threading.Lock()
 
 
-def _compile_into_cache() -> Path:
-    """Build the CPU library from ``csrc/`` into the user cache (keyed by the sources' hash)."""
+def _cache_dir() -> Path:
+    if os.environ.get("CACHEGEN_CACHE_DIR"):
+        return Path(os.environ["CACHEGEN_CACHE_DIR"]) / "native"
     from platformdirs import user_cache_dir  # noqa: PLC0415
 
-    src = CSRC / "rans_cpu.cpp"
-    digest = hashlib.blake2b((src.read_bytes() + (CSRC / "rans_core.h").read_bytes()), digest_size=8).hexdigest()
-    out = Path(user_cache_dir("langchain-cachegen")) / "native" / f"libcachegen_rans-{digest}.so"
+    return Path(user_cache_dir("langchain-cachegen")) / "native"
+
+
+def _compile_into_cache(source: str, command: list[str]) -> Path:
+    """Build ``csrc/<source>`` into the user cache once (keyed by the sources' hash) with ``command``."""
+    src = CSRC / source
+    digest = hashlib.blake2b(src.read_bytes() + (CSRC / "rans_core.h").read_bytes(), digest_size=8).hexdigest()
+    out = _cache_dir() / f"lib{src.stem}-{digest}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cxx = os.environ.get("CXX", "c++")
-        subprocess.run([cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", str(src), "-o", str(tmp)], check=True, capture_output=True)
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        proc = subprocess.run([*command, str(src), "-I", str(CSRC), "-o", str(tmp)], capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{command[0]} failed: {proc.stderr[-2000:]}")
         tmp.replace(out)
     return out
 
@@ -64,7 +71,7 @@ def _library() -> ctypes.CDLL:
             spec = importlib.util.find_spec("cachegen_core._native")
             path = Path(spec.origin) if spec and spec.origin else None
             if path is None or not path.exists():
-                path = _compile_into_cache()
+                path = _compile_into_cache("rans_cpu.cpp", [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"])
             lib = ctypes.CDLL(str(path))
         except Exception as e:  # no compiler, no build: the reference coder takes over
             _lib_error = f"native coder unavailable: {e}"
@@ -96,6 +103,27 @@ def cdf_tables(freqs: np.ndarray) -> np.ndarray:
     cdf = np.zeros((freqs.shape[0], freqs.shape[1] + 1), dtype=np.uint32)
     np.cumsum(freqs, axis=1, dtype=np.uint32, out=cdf[:, 1:])
     return cdf
+
+
+_cuda_lib: ctypes.CDLL | None = None
+
+
+def _cuda_library() -> ctypes.CDLL:
+    """The CUDA decoder, compiled with nvcc at first use (only where nvcc and a GPU exist)."""
+    global _cuda_lib
+    with _lock:
+        if _cuda_lib is None:
+            import shutil  # noqa: PLC0415
+
+            if shutil.which("nvcc") is None:
+                raise CoderError("the CUDA decoder needs nvcc on PATH")
+            path = _compile_into_cache("rans_cuda.cu", ["nvcc", "-O3", "-arch=native", "-shared", "-Xcompiler", "-fPIC"])
+            lib = ctypes.CDLL(str(path))
+            p, i32, u32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_uint32
+            lib.cg_cuda_decode.argtypes = [p, p, i32, p, p, i32, p, u32, p, p, p]
+            lib.cg_cuda_decode.restype = ctypes.c_int
+            _cuda_lib = lib
+        return _cuda_lib
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -162,4 +190,49 @@ class NativeCoder:
         if err:
             bad = int(np.flatnonzero(status)[0])
             raise CoderError(f"substream {bad}: {_ERRORS.get(int(status[bad]), int(status[bad]))}")
+        return out
+
+    def decode_cuda(self, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray, device: str = "cuda") -> "torch.Tensor":
+        """Decode on the GPU, one warp per substream: same bytes, same symbols as ``decode``.
+
+        Returns the flat uint8 symbols as a CUDA tensor (the dequantisation that follows
+        runs on the GPU too).
+        """
+        import torch  # noqa: PLC0415
+
+        lib = _cuda_library()
+        cdf = self._cdf(freqs)
+        layout.validate(freqs.shape[0])
+        if len(payloads) != layout.n_streams:
+            raise CoderError(f"expected {layout.n_streams} substreams, got {len(payloads)}")
+        dev = torch.device(device)
+        key = (id(freqs), dev)
+        if getattr(self, "_gpu_cdf_key", None) != key:
+            self._gpu_cdf = torch.from_numpy(cdf).to(dev)
+            self._gpu_cdf_key = key
+        joined = b"".join(payloads) or b"\0"
+        buf = torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(dev, non_blocking=True)
+        in_off = torch.zeros(layout.n_streams + 1, dtype=torch.int64)
+        torch.cumsum(torch.tensor([len(p) for p in payloads], dtype=torch.int64), 0, out=in_off[1:])
+        in_off = in_off.to(dev)
+        sym_off = torch.from_numpy(layout.offsets).to(dev)
+        tids = torch.from_numpy(np.ascontiguousarray(layout.table_ids)).to(dev)
+        out = torch.empty(layout.n_symbols, dtype=torch.uint8, device=dev)
+        status = torch.zeros(layout.n_streams, dtype=torch.int32, device=dev)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        err = lib.cg_cuda_decode(
+            buf.data_ptr(), in_off.data_ptr(), layout.n_streams, sym_off.data_ptr(), tids.data_ptr(), layout.period,
+            self._gpu_cdf.data_ptr(), freqs.shape[1], out.data_ptr(), status.data_ptr(), stream,
+        )  # fmt: skip
+        stop.record()
+        if err:
+            raise CoderError(f"CUDA launch failed with error {err}")
+        stop.synchronize()
+        self.last_cuda_kernel_s = start.elapsed_time(stop) / 1000
+        bad = torch.nonzero(status).flatten()
+        if bad.numel():
+            s = int(bad[0])
+            raise CoderError(f"substream {s}: {_ERRORS.get(int(status[s]), int(status[s]))}")
         return out

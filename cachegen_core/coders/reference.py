@@ -3,7 +3,7 @@
 torchac wants a CDF per symbol, so each substream's per-channel tables are expanded in
 slices of at most ``max_cdf_bytes``; a substream longer than one slice cannot be coded
 by torchac in pieces (one call = one byte string), so the codec keeps substreams short
-enough (``CodecConfig.tokens_per_stream``) and this coder refuses longer ones clearly.
+enough (``CodecConfig.stream_symbols``) and this coder refuses longer ones clearly.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class ReferenceCoder:
         if n > self.max_stream_symbols:
             raise CoderError(
                 f"substream of {n} symbols exceeds the reference coder's limit of {self.max_stream_symbols}; "
-                "use shorter substreams (CodecConfig.tokens_per_stream)"
+                "use shorter substreams (CodecConfig.stream_symbols)"
             )
         idx = torch.from_numpy(np.resize(table_ids, n).astype(np.int64))
         return cdf.index_select(0, idx)
