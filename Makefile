@@ -30,7 +30,8 @@ test: install redis-server
 	$(PY) -m pytest -q
 
 demo: install
-	$(PY) -m examples.codec_demo
+	$(PY) -m cachegen_core.cli model prepare
+	$(PY) -m examples.rag_chain
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

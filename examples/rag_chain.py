@@ -2,9 +2,10 @@
 
     python -m examples.rag_chain [--model smollm2-135m] [--doc-tokens 3072] [--store disk|memory|redis://...]
 
-The retriever returns the transcript that best matches the question; the prompt puts
-the documents first and the question last, so every complete chunk of the documents
-is found in the store on the second run. Prints cached tokens and time to first token.
+The retriever returns the transcript that best matches the question; the chat prompt
+puts the documents first (system message) and the question last, so every complete
+chunk of the documents is found in the store on the second run. Prints cached tokens
+and time to first token for both runs.
 """
 
 from __future__ import annotations
@@ -19,14 +20,14 @@ from pathlib import Path
 from langchain_core.callbacks import BaseCallbackHandler, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.output_parsers import StrOutputParser
-from langchain_core.prompts import PromptTemplate
+from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnablePassthrough
 
-from langchain_cachegen import CacheGenLLM
+from langchain_cachegen import ChatCacheGen
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "longchat_dev.jsonl"
-TEMPLATE = "Documents:\n{context}\n\nQuestion: {question}\nAnswer:"
+SYSTEM = "Answer the question using these documents.\n\n{context}"
 
 
 class KeywordRetriever(BaseRetriever):
@@ -75,11 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
-    llm = CacheGenLLM.from_model_id(
-        args.model,
-        store=make_store(args.store),
-        chunk_tokens=args.chunk_tokens,
-        generation_kwargs={"max_new_tokens": args.max_new_tokens},
+    llm = ChatCacheGen.from_model_id(
+        args.model, store=make_store(args.store), chunk_tokens=args.chunk_tokens, max_tokens=args.max_new_tokens
     )
     print(f"model {args.model} ready in {time.perf_counter() - t0:.1f} s; codec {llm.engine.codec.codec_id}, "
           f"profile {llm.engine.codec.profile_id or 'none'}, coder {llm.engine.codec.coder.name}", file=sys.stderr)
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     def fmt(ds: list[Document]) -> str:
         return "\n\n".join(d.page_content for d in ds)
 
-    prompt = PromptTemplate.from_template(TEMPLATE)
+    prompt = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{question}")])
     chain = {"context": retriever | fmt, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
 
     class Info(BaseCallbackHandler):
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             self.info = {}
 
         def on_llm_end(self, response, **kwargs) -> None:
-            self.info = response.generations[0][0].generation_info or {}
+            self.info = response.generations[0][0].message.response_metadata
 
     rows = []
     for run in ("cold", "warm"):
