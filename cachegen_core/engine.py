@@ -32,6 +32,7 @@ from .fingerprint import model_fingerprint
 from .kv import KVCache
 from .profile import Profile
 from .stores.base import KVStore
+from .streaming import TEXT, ChunkCost, StreamFailure, make_estimator, stream
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class GenerationInfo:
     new_tokens: int = 0
     chunks_queued: int = 0
     errors: list[str] = field(default_factory=list)
+    stream: list[dict[str, Any]] = field(default_factory=list)
+    text_chunks: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -149,10 +152,14 @@ class _StoreWorker:
 class KVEngine:
     """CacheGen over one Hugging Face causal LM, one ``KVCodec`` and one ``KVStore``.
 
-    ``chunk_tokens``: tokens per stored chunk. ``level``: the level fetched on a hit
-    (default: the codec's default). ``store_levels``: levels written on a miss
-    (default: all). ``background``: store new chunks in a worker thread (True) or
-    inline before returning (False, deterministic for scripts and tests).
+    ``chunk_tokens``: tokens per stored chunk. ``level``: the finest level fetched on a
+    hit (default: the codec's default); without ``slo_s`` every hit uses it.
+    ``store_levels``: levels written on a miss (default: all). ``slo_s``: time budget
+    for fetching and decoding a prompt's cached chunks; the streaming controller then
+    picks, chunk by chunk, ``level`` or a coarser stored level, or sends the chunk as
+    text to be prefilled, from the bandwidth measured by ``estimator`` (``"harmonic"``
+    or ``"last"``). ``background``: store new chunks in a worker thread (True) or inline
+    before returning (False, deterministic for scripts and tests).
     """
 
     def __init__(
@@ -168,6 +175,8 @@ class KVEngine:
         background: bool = True,
         queue_size: int = 64,
         add_special_tokens: bool = True,
+        slo_s: float | None = None,
+        estimator: str = "harmonic",
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
@@ -190,6 +199,13 @@ class KVEngine:
         if self.level not in self.store_levels:
             raise ValueError(f"the fetched level {self.level} must be among store_levels {self.store_levels}")
         self.add_special_tokens = add_special_tokens
+        self.slo_s = slo_s
+        self.estimator_name = estimator
+        self.estimator = make_estimator(estimator)
+        # Running measurements the controller plans with (priors until measured).
+        self._bytes_per_token: dict[int, float] = {}
+        self._decode_s_per_token: dict[int, float] = {}
+        self._prefill_s_per_token = 2e-3
         self._lock = threading.Lock()  # one model call at a time
         self._worker = _StoreWorker(self, queue_size) if background else None
         self._store_failing = False
@@ -310,32 +326,179 @@ class KVEngine:
         ids = self._ids(prompt)
         info.prompt_tokens = len(ids)
         chunks = self.chunks(ids)
-        kv = self._fetch_prefix(chunks, info)
+        kv = self._fetch_prefix(chunks, ids, info)
         text, cache = self._generate_ids(ids, kv, start, info, generation_kwargs, streamer=streamer)
-        done = kv.num_tokens if kv is not None else 0
-        for c in chunks:
-            if c.end > done and cache is not None:
-                part = KVCache.from_dynamic_cache(cache).slice(c.start, c.end)
-                self._queue_chunk(c, KVCache(part.keys.clone(), part.values.clone()), info)
+        self._store_new_chunks(chunks, kv, cache, info)
         info.total_s = time.perf_counter() - start
         return text, info
 
-    def _fetch_prefix(self, chunks: list[Chunk], info: GenerationInfo) -> KVCache | None:
-        """Decode the longest run of leading chunks present in the store; stop at the first miss or failure."""
-        parts: list[KVCache] = []
+    @property
+    def stream_levels(self) -> list[int]:
+        """Levels the controller may fetch: ``level`` and every coarser stored level."""
+        return sorted(lv for lv in self.store_levels if lv >= self.level)
+
+    def _cached_run(self, chunks: list[Chunk], info: GenerationInfo) -> list[Chunk]:
+        """The longest run of leading chunks present in the store."""
+        run = []
         for c in chunks:
             try:
-                parts.append(self.get_kv([c.key], self.level, info))
+                if not self.store.contains(blob_key(c.key, self.level)):
+                    break
             except StoreError as e:
-                if "not in the store" not in str(e):
-                    self._report(info, f"store failure, recomputing from chunk {c.index}: {e}")
+                self._report(info, f"store failure, recomputing from chunk {c.index}: {e}")
                 break
-            except CacheGenFormatError as e:
-                self._report(info, f"bad blob for chunk {c.index}, recomputing: {e}")
-                break
-        if not parts:
-            return None
-        return KVCache.concat(parts)
+            run.append(c)
+        return run
+
+    def _cost(self, chunk: Chunk, kv_elements_per_token: int) -> ChunkCost:
+        prior_bits = {0: 6.5, 1: 5.0, 2: 4.0, 3: 3.2}
+        sizes, decode = {}, {}
+        for lv in self.stream_levels:
+            per_token = self._bytes_per_token.get(lv, kv_elements_per_token * prior_bits.get(lv, 3.0) / 8)
+            sizes[lv] = int(per_token * chunk.num_tokens)
+            decode[lv] = self._decode_s_per_token.get(lv, 0.0) * chunk.num_tokens
+        return ChunkCost(sizes, decode, chunk.num_tokens)
+
+    def _fetch_prefix(self, chunks: list[Chunk], ids: list[int], info: GenerationInfo) -> KVCache | None:
+        """Stream the longest cached run of leading chunks (levels or text under the SLO); stop at a failure."""
+        run = self._cached_run(chunks, info)
+        parts = self._stream_chunks([(c, ids, [c.key for c in run[: c.index]]) for c in run], info)
+        return KVCache.concat(parts) if parts else None
+
+    def _stream_chunks(self, items: list[tuple[Chunk, list[int], list[str]]], info: GenerationInfo) -> list[KVCache]:
+        """Stream chunks given as (chunk, prompt ids, keys of its predecessors); returns the parts decoded before any failure."""
+        if not items:
+            return []
+        run = [c for c, _, _ in items]
+        cfg = self.model.config
+        text_cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+        heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        elements = 2 * text_cfg.num_hidden_layers * heads * head_dim
+
+        def fetch(key: Any, level: int) -> bytes:
+            blob = self.store.get(blob_key(key, level))
+            if blob is None:
+                raise StoreError(f"chunk {key[:12]} at level {level} is not in the store")
+            return blob
+
+        def decode(blob: bytes, i: int, parts: list[KVCache]) -> KVCache:
+            t = time.perf_counter()
+            kv = self.codec.decode(blob)
+            if kv.num_tokens != run[i].num_tokens:
+                raise CacheGenFormatError(f"chunk {i} decoded to {kv.num_tokens} tokens, expected {run[i].num_tokens}")
+            level = self._level_of(blob)
+            self._observe(self._decode_s_per_token, level, (time.perf_counter() - t) / kv.num_tokens)
+            self._observe(self._bytes_per_token, level, len(blob) / kv.num_tokens)
+            return kv
+
+        position = {c.key: i for i, c in enumerate(run)}
+
+        def prefill(i: int, parts: list[KVCache]) -> KVCache:
+            c, ids, before = items[i]
+            prior = [parts[position[k]] for k in before]
+            return self._prefill(ids[c.start : c.end], KVCache.concat(prior) if prior else None)
+
+        try:
+            res = stream(
+                [c.key for c in run],
+                [self._cost(c, elements) for c in run],
+                fetch=fetch,
+                decode=decode,
+                prefill=prefill,
+                levels=self.stream_levels,
+                estimator=self.estimator,
+                slo_s=self.slo_s,
+                prefill_s_per_token=self._prefill_s_per_token,
+            )
+        except StreamFailure as f:
+            kind = "bad blob" if isinstance(f.cause, CacheGenFormatError) else "store failure"
+            if not (isinstance(f.cause, StoreError) and "not in the store" in str(f.cause)):
+                self._report(info, f"{kind} for chunk {f.index}, recomputing from there: {f.cause}")
+            res = f.partial
+        for tr in res.trace:
+            info.stream.append(tr.as_dict())
+            info.levels.append(tr.option)  # type: ignore[arg-type]
+            info.bytes_fetched += tr.bytes
+            info.fetch_s += tr.fetch_s
+            info.decode_s += tr.decode_s
+            info.text_chunks += tr.option == TEXT
+        return res.parts
+
+    @staticmethod
+    def _observe(table: dict[int, float], key: int, value: float, weight: float = 0.3) -> None:
+        table[key] = value if key not in table else (1 - weight) * table[key] + weight * value
+
+    @staticmethod
+    def _level_of(blob: bytes) -> int:
+        from .format import read_header  # noqa: PLC0415
+
+        return int(read_header(blob)["level"])
+
+    @torch.no_grad()
+    def _prefill(self, ids: list[int], past: KVCache | None) -> KVCache:
+        """KV of ``ids`` computed by the model on top of ``past`` (the text option of streaming)."""
+        t = time.perf_counter()
+        dtype = next(self.model.parameters()).dtype
+        cache = past.to(device=self.model.device, dtype=dtype).to_dynamic_cache(self.model.config) if past is not None else None
+        with self._lock:
+            out = self.model(torch.tensor([ids], device=self.model.device), past_key_values=cache, use_cache=True)
+        start = past.num_tokens if past is not None else 0
+        kv = KVCache.from_dynamic_cache(out.past_key_values).slice(start)
+        self._prefill_s_per_token = 0.7 * self._prefill_s_per_token + 0.3 * (time.perf_counter() - t) / len(ids)
+        return KVCache(kv.keys.clone(), kv.values.clone())
+
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], **generation_kwargs: Any) -> list[tuple[str, GenerationInfo]]:
+        """Answer several prompts that arrived together: their cached chunks are streamed as one batch.
+
+        A chunk shared by several prompts is fetched and decoded once, and the
+        controller plans with the bytes of the whole batch against the SLO.
+        """
+        start = time.perf_counter()
+        infos = [GenerationInfo() for _ in prompts]
+        all_ids = [self._ids(p) for p in prompts]
+        runs = []
+        for ids, info in zip(all_ids, infos):
+            info.prompt_tokens = len(ids)
+            runs.append(self._cached_run(self.chunks(ids), info))
+        items, seen = [], set()
+        for ids, run in zip(all_ids, runs):
+            for c in run:
+                if c.key not in seen:
+                    seen.add(c.key)
+                    items.append((c, ids, [p.key for p in run[: c.index]]))
+        batch_info = GenerationInfo()
+        parts = self._stream_chunks(items, batch_info)
+        decoded = {items[i][0].key: part for i, part in enumerate(parts)}
+        option_of = {items[i][0].key: tr["option"] for i, tr in enumerate(batch_info.stream)}
+        out = []
+        for ids, run, info in zip(all_ids, runs, infos):
+            mine = []
+            for c in run:
+                if c.key not in decoded:
+                    break
+                mine.append(decoded[c.key])
+            info.levels = [option_of[c.key] for c in run[: len(mine)]]
+            info.text_chunks = sum(lv == TEXT for lv in info.levels)
+            # fetch figures are the batch's: the chunks were streamed once for every prompt
+            info.stream, info.errors = batch_info.stream, info.errors + batch_info.errors
+            info.bytes_fetched, info.fetch_s, info.decode_s = batch_info.bytes_fetched, batch_info.fetch_s, batch_info.decode_s
+            kv = KVCache.concat(mine) if mine else None
+            text, cache = self._generate_ids(ids, kv, start, info, generation_kwargs)
+            self._store_new_chunks(self.chunks(ids), kv, cache, info)
+            info.total_s = time.perf_counter() - start
+            out.append((text, info))
+        return out
+
+    def _store_new_chunks(self, chunks: list[Chunk], kv: KVCache | None, cache: Any, info: GenerationInfo) -> None:
+        """Queue the complete chunks that were computed (not fetched) in this request."""
+        done = kv.num_tokens if kv is not None else 0
+        full = None
+        for c in chunks:
+            if c.end > done and cache is not None:
+                full = full or KVCache.from_dynamic_cache(cache)
+                part = full.slice(c.start, c.end)
+                self._queue_chunk(c, KVCache(part.keys.clone(), part.values.clone()), info)
 
     def _report(self, info: GenerationInfo, msg: str) -> None:
         info.errors.append(msg)
@@ -384,6 +547,10 @@ class KVEngine:
         new = out.sequences[0, len(ids) :]
         info.new_tokens = int(new.numel())
         info.ttft_s = timer.ttft if timer.ttft is not None else time.perf_counter() - start
+        if info.recomputed_tokens > 64 and timer.ttft is not None:
+            per_token = (timer.ttft - info.fetch_s - info.decode_s) / info.recomputed_tokens
+            if per_token > 0:
+                self._prefill_s_per_token = 0.7 * self._prefill_s_per_token + 0.3 * per_token
         return self.tokenizer.decode(new, skip_special_tokens=True), out.past_key_values
 
     def stream(self, prompt: str | Sequence[int], **generation_kwargs: Any) -> Iterator[str | GenerationInfo]:
@@ -424,6 +591,8 @@ class KVEngine:
     def _store_chunk(self, chunk: Chunk, kv: KVCache) -> None:
         """Encode one chunk at every stored level and write the blobs (finest level last)."""
         items = [(blob_key(chunk.key, lv), self.codec.encode(kv, lv)) for lv in self.store_levels]
+        for (_, blob), lv in zip(items, self.store_levels):
+            self._observe(self._bytes_per_token, lv, len(blob) / max(chunk.num_tokens, 1))
         try:
             self.store.put_many(items)
             if self._store_failing:

@@ -131,8 +131,8 @@ class CacheGenLLM(BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         generations = []
-        for prompt in prompts:
-            text, info = self.engine.generate(self._prompt(prompt), **self._kwargs(stop, kwargs))
+        results = self.engine.generate_many([self._prompt(p) for p in prompts], **self._kwargs(stop, kwargs))
+        for text, info in results:
             text, _ = cut_at_stop(text, stop)
             generations.append([Generation(text=text, generation_info=info.as_dict())])
         return LLMResult(generations=generations, llm_output={"model_id": self.model_id})

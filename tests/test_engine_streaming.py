@@ -1,0 +1,76 @@
+"""The engine under an SLO: a slow store pushes chunks to text, batches share fetches."""
+
+import time
+
+from cachegen_core.engine import KVEngine
+from cachegen_core.stores.memory import MemoryStore
+from cachegen_core.streaming import TEXT
+from tests.conftest import words
+from tests.test_engine import plain_greedy
+
+CHUNK = 64
+
+
+class SlowCountingStore(MemoryStore):
+    """A memory store whose reads take ``delay_s`` and are counted."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.gets: list[str] = []
+
+    def get(self, key):
+        self.gets.append(key)
+        time.sleep(self.delay_s)
+        return super().get(key)
+
+
+def engine(model, tok, store, **kw):
+    return KVEngine(model, tok, store=store, chunk_tokens=CHUNK, level=0, background=False, **kw)
+
+
+def test_no_slo_fetches_the_configured_level(tiny_llama, tiny_tokenizer):
+    store = SlowCountingStore()
+    e = engine(tiny_llama, tiny_tokenizer, store)
+    prompt = words(2, 3 * CHUNK + 5)
+    e.generate(prompt, max_new_tokens=3)
+    _, info = e.generate(prompt, max_new_tokens=3)
+    assert info.levels == [0, 0, 0] and [s["option"] for s in info.stream] == [0, 0, 0]
+
+
+def test_slow_store_under_a_tight_slo_falls_back_to_text_and_stays_correct(tiny_llama, tiny_tokenizer):
+    store = SlowCountingStore(delay_s=0.5)
+    e = engine(tiny_llama, tiny_tokenizer, store, slo_s=0.3)
+    prompt = words(2, 3 * CHUNK + 5)
+    e.generate(prompt, max_new_tokens=6)
+    e.generate(prompt, max_new_tokens=6)  # the first chunk (medium level) measures the slow link
+    store.gets.clear()
+    text, info = e.generate(prompt, max_new_tokens=6)
+    assert info.levels == [TEXT, TEXT, TEXT] and info.text_chunks == 3 and not store.gets
+    assert info.cached_tokens == 3 * CHUNK  # prefilled chunk by chunk on the controller's word
+    assert text == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 6)
+
+
+def test_slo_first_chunk_uses_the_medium_level(tiny_llama, tiny_tokenizer):
+    e = engine(tiny_llama, tiny_tokenizer, SlowCountingStore(), slo_s=60.0)
+    prompt = words(3, 2 * CHUNK + 1)
+    e.generate(prompt, max_new_tokens=2)
+    _, info = e.generate(prompt, max_new_tokens=2)
+    assert info.stream[0]["option"] == e.stream_levels[len(e.stream_levels) // 2]
+    assert info.stream[1]["option"] == 0  # a fast link: the best level fits
+
+
+def test_batch_shares_fetched_chunks(tiny_llama, tiny_tokenizer):
+    store = SlowCountingStore()
+    e = engine(tiny_llama, tiny_tokenizer, store)
+    shared = words(4, 2 * CHUNK)
+    prompts = [shared + " " + words(5 + i, CHUNK + 3) for i in range(3)]
+    for p in prompts:
+        e.generate(p, max_new_tokens=2)
+    store.gets.clear()
+    results = e.generate_many(prompts, max_new_tokens=4)
+    assert [info.cached_tokens for _, info in results] == [3 * CHUNK] * 3
+    # 2 shared chunks + 1 own chunk per prompt, each fetched once
+    assert len(store.gets) == 2 + 3 and len(set(store.gets)) == 5
+    for p, (text, _) in zip(prompts, results):
+        assert text == e.generate(p, max_new_tokens=4)[0]
