@@ -1,20 +1,30 @@
 """The ``cachegen`` command line: inspect blobs, prepare models, fit profiles.
 
     cachegen inspect BLOB
-    cachegen model prepare [NAME]      convert the bundled reference model (or a .gguf) once
-    cachegen model path [NAME]
+    cachegen model prepare [NAME]      convert the bundled reference model (or a .gguf) once; print its dir
+    cachegen model path [NAME]         print its dir without converting (exit 1: not prepared yet)
     cachegen profile --model MODEL --texts FILE.jsonl [--field prompt] [--out PATH]
+
+Adding a subcommand: write ``_register_<name>(sub)`` that adds its parser with
+``set_defaults(func=handler)`` (``handler(args) -> exit code``) and append it to
+:data:`REGISTRY`. Handlers import what they need lazily so ``cachegen --help`` stays fast;
+a :class:`~cachegen_core.errors.CacheGenError` escaping a handler is printed as
+``error: ...`` with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Callable
 
+#: A subcommand handler: parsed arguments in, exit code out.
 Command = Callable[[argparse.Namespace], int]
+#: Adds one subcommand (with ``set_defaults(func=...)``) to the top-level subparsers.
+Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -32,10 +42,21 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model(args: argparse.Namespace) -> int:
+def _model_prepare(args: argparse.Namespace) -> int:
     from .models import resolve_model  # noqa: PLC0415
 
     print(resolve_model(args.name))
+    return 0
+
+
+def _model_path(args: argparse.Namespace) -> int:
+    from .models import model_dir_for  # noqa: PLC0415
+
+    path, ready = model_dir_for(args.name)
+    print(path)
+    if not ready:
+        print(f"not prepared yet: run `cachegen model prepare {args.name}`", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -77,20 +98,25 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser; each subcommand is a small function set as ``func``."""
-    ap = argparse.ArgumentParser(prog="cachegen", description="CacheGen KV-cache compression tools")
-    sub = ap.add_subparsers(dest="command", required=True)
-
+def _register_inspect(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("inspect", help="print a blob's header as JSON")
     p.add_argument("blob")
     p.set_defaults(func=_inspect)
 
-    p = sub.add_parser("model", help="locate or convert a model")
-    p.add_argument("action", choices=["prepare", "path"])
-    p.add_argument("name", nargs="?", default="smollm2-135m")
-    p.set_defaults(func=_model)
 
+def _register_model(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("model", help="locate or convert a model (transformers dir, .gguf file or smollm2-135m)")
+    actions = p.add_subparsers(dest="action", required=True)
+    for action, func, text in [
+        ("prepare", _model_prepare, "convert a .gguf (or the bundled reference model) once and print its directory"),
+        ("path", _model_path, "print the model's directory without converting; exit 1 when not prepared yet"),
+    ]:
+        a = actions.add_parser(action, help=text, description=text)
+        a.add_argument("name", nargs="?", default="smollm2-135m", help="default: smollm2-135m")
+        a.set_defaults(func=func)
+
+
+def _register_profile(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("profile", help="fit the codec's frequency tables on real contexts of a model")
     p.add_argument("--model", default="smollm2-135m", help="transformers dir, .gguf file or smollm2-135m")
     p.add_argument("--texts", required=True, help="JSONL file with one text per line")
@@ -101,12 +127,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=1536)
     p.add_argument("--out", default=None, help="default: beside the model in the user cache, found by fingerprint")
     p.set_defaults(func=_profile)
+
+
+#: Every subcommand, in the order ``--help`` lists them; append yours.
+REGISTRY: list[Register] = [_register_inspect, _register_model, _register_profile]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand of :data:`REGISTRY`."""
+    ap = argparse.ArgumentParser(prog="cachegen", description="CacheGen KV-cache compression tools")
+    ap.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for register in REGISTRY:
+        register(sub)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``cachegen`` console script; returns the exit code."""
+    from .errors import CacheGenError  # noqa: PLC0415
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    logging.basicConfig(level=logging.WARNING, format="cachegen: %(message)s")
+    logging.getLogger("cachegen_core").setLevel(logging.WARNING if args.quiet else logging.INFO)
+    try:
+        return int(args.func(args))
+    except CacheGenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
