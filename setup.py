@@ -1,7 +1,7 @@
 """Build the native rANS coder (csrc/) as a plain shared library shipped inside cachegen_core.
 
-It is loaded with ctypes, not imported, so it needs no Python or torch headers and
-builds in seconds. Metadata lives in pyproject.toml.
+It is loaded with ctypes (cachegen_core/coders/native.py), never imported, so it needs
+no Python or torch headers and builds in seconds. Metadata lives in pyproject.toml.
 """
 
 from setuptools import Extension, setup
@@ -23,7 +23,7 @@ setup(
             depends=["csrc/rans_core.h"],
             include_dirs=["csrc"],
             language="c++",
-            extra_compile_args=["-O3", "-std=c++17"],
+            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
             extra_link_args=["-pthread"],
             optional=True,  # without a compiler the package still installs; the reference coder is used
         )

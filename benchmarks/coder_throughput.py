@@ -1,30 +1,40 @@
 """Entropy-coder throughput: native rANS (CPU threads, CUDA) against torchac, on real and 7B-shaped chunks.
 
-    python -m benchmarks.coder_throughput [--quick] [--model M] [--no-real] [--no-7b]
+    python -m benchmarks.coder_throughput [--quick] [--no-real] [--no-7b] [--no-cuda] [--out FILE]
 
 One JSON line per (data, coder, operation, threads): ``coder``, ``op``, ``threads``,
-``symbols``, ``seconds``, ``msym_per_s``, ``bits_per_symbol`` (coded), and
-``entropy_bits_per_symbol`` (ideal under the same tables). torchac runs in the same
-process on a subset of the substreams (it decodes ~3-5 Msym/s).
+``symbols``, ``seconds`` (best of the repetitions), ``msym_per_s``, ``bits_per_symbol``
+(coded, every substream's bytes), ``entropy_bits_per_symbol`` (ideal under the same
+tables), and for native lines ``x_torchac`` (speed over torchac in this same run).
+
+Data: (1) ``7b-laplace``: a 7B-shaped chunk (32 layers, 8 KV heads x 128 = 1024 channels,
+1536 tokens, keys and values; 100.7 M symbols) cut into substreams exactly as the codec
+does, symbols drawn from discretised Laplace laws with a per-channel scale, tables the
+true laws quantised to 2^16 (one per kind x layer x anchor/delta x channel, as a
+profile has); (2) ``<model>-profile`` / ``<model>-inline``: the symbols and tables of a
+real 1536-token chunk of the reference model through ``KVCodec.prepare`` with the
+model's profile and with per-chunk tables (skipped when the model is not provisioned).
+torchac runs on a leading subset of the substreams (it codes ~2-4 Msym/s).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import sys
 import time
-from typing import Any
+from typing import Any, Callable, TextIO
 
 import numpy as np
-import torch
 
-from benchmarks.common import DEFAULT_MODEL, LONGCHAT, context_kv, emit, load, read_jsonl, setup_threads
-from cachegen_core.coders.base import StreamLayout, cross_entropy_bits
-from cachegen_core.codec import KVCodec
-from cachegen_core.kv import KVCache
+from benchmarks.common import emit
+from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, cross_entropy_bits
+from cachegen_core.config import CodecConfig
 
 
-def _best(fn: Any, reps: int) -> tuple[float, Any]:
+def best_time(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+    """Smallest wall time of ``reps`` calls, and the last result."""
     best, out = float("inf"), None
     for _ in range(reps):
         t = time.perf_counter()
@@ -33,119 +43,188 @@ def _best(fn: Any, reps: int) -> tuple[float, Any]:
     return best, out
 
 
-def _subset(layout: StreamLayout, max_symbols: int) -> StreamLayout:
+def subset(layout: StreamLayout, max_symbols: int) -> StreamLayout:
     """The leading substreams holding at most ``max_symbols`` symbols (at least one)."""
     k = max(1, int(np.searchsorted(layout.offsets, max_symbols, side="right")) - 1)
     return StreamLayout(layout.offsets[: k + 1].copy(), layout.table_ids[:k].copy())
 
 
-def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, *, reps: int, torchac_symbols: int, cuda: bool) -> None:
+def laplace_freqs(scales: np.ndarray, centre: float, alphabet: int = 256) -> np.ndarray:
+    """Discretised Laplace laws (one per scale) quantised to 2^16 with every entry >= 1."""
+    edges = np.arange(alphabet + 1, dtype=np.float64) - 0.5 - centre
+    z = edges[None, :] / scales[:, None]
+    cdf = np.where(z < 0, 0.5 * np.exp(np.minimum(z, 0)), 1 - 0.5 * np.exp(-np.maximum(z, 0)))
+    p = np.diff(cdf, axis=1)
+    p /= p.sum(axis=1, keepdims=True)
+    f = np.floor(p * (TOTAL_FREQ - alphabet)).astype(np.int64) + 1
+    f[np.arange(len(f)), f.argmax(1)] += TOTAL_FREQ - f.sum(1)
+    return f.astype(np.uint32)
+
+
+def synthetic_7b(tokens: int = 1536, seed: int = 0) -> tuple[np.ndarray, StreamLayout, np.ndarray]:
+    """Symbols, layout and tables of a 7B-shaped chunk laid out like ``KVCodec.prepare`` does."""
+    layers, channels, config = 32, 8 * 128, CodecConfig()
+    rng = np.random.default_rng(seed)
+    block, group = config.tokens_per_stream(channels), config.group_size
+    # table (kind, layer, part, channel): anchors broad (8-bit min/max), deltas narrow, scales per channel
+    scale = np.empty((2, layers, 2, channels))
+    scale[:, :, 0] = 24 * np.exp(0.3 * rng.standard_normal((2, layers, channels)))
+    scale[:, :, 1] = 1.2 * np.exp(0.5 * rng.standard_normal((2, layers, channels)))
+    centre = np.array([128.0, 128.0])
+    freqs = np.concatenate([laplace_freqs(scale[:, :, p].ravel(), centre[p]) for p in range(2)])  # part-major
+    table = lambda kind, layer, part: part * (2 * layers * channels) + (kind * layers + layer) * channels  # noqa: E731
+    pieces, counts, tids = [], [], []
+    for kind in range(2):
+        for layer in range(layers):
+            for start in range(0, tokens, block):
+                n_tok = min(tokens, start + block) - start
+                n_anchor = -(-n_tok // group)
+                for part, rows in ((0, n_anchor), (1, n_tok - n_anchor)):
+                    s = scale[kind, layer, part]
+                    x = np.rint(rng.laplace(centre[part], s, (rows, channels))).clip(0, 255).astype(np.uint8)
+                    pieces.append(x.ravel())
+                    counts.append(x.size)
+                    tids.append(table(kind, layer, part) + np.arange(channels))
+    layout = StreamLayout(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), np.array(tids, dtype=np.int32))
+    return np.concatenate(pieces), layout, freqs
+
+
+def real_chunks(model_name: str, level: int, tokens: int) -> list[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
+    """The reference model's chunk with its profile's tables and with per-chunk tables ([] if unavailable)."""
+    try:
+        from benchmarks.common import LONGCHAT, context_kv, load, read_jsonl  # noqa: PLC0415
+        from cachegen_core.codec import KVCodec  # noqa: PLC0415
+        from cachegen_core.fingerprint import model_fingerprint  # noqa: PLC0415
+        from cachegen_core.profile import find_profile  # noqa: PLC0415
+
+        model, tok = load(model_name)
+        fp = model_fingerprint(model, tok)
+        ids = next(i for i in (tok(t)["input_ids"] for t in read_jsonl(LONGCHAT, "prompt")) if len(i) >= tokens)[:tokens]
+        kv = context_kv(model, ids)
+    except Exception as e:  # no model, no data: the synthetic chunk still runs
+        print(f"# real chunk skipped: {type(e).__name__}: {e}", file=sys.stderr)
+        return []
+    config = CodecConfig()
+    out = []
+    for profile in (find_profile(fp, config), None):
+        p = KVCodec(config, profile, fingerprint=fp).prepare(kv, level)
+        out.append((f"{model_name}-{tokens}tok-L{level}-{'profile' if profile else 'inline'}", p.symbols, p.layout, p.freqs))
+    return out
+
+
+def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, *, reps: int, torchac_symbols: int,
+            cuda: bool, out: TextIO | None) -> None:  # fmt: skip
+    """Time every coder on one chunk and print its JSON lines."""
     from cachegen_core.coders.native import NativeCoder, available  # noqa: PLC0415
-    from cachegen_core.coders.reference import ReferenceCoder  # noqa: PLC0415
 
     entropy = cross_entropy_bits(symbols, layout, freqs) / layout.n_symbols
-    base = {"data": data}
-    if available():
-        for threads in sorted({1, 2, os.cpu_count() or 1}):
-            coder = NativeCoder(threads=threads)
-            t_enc, payloads = _best(lambda: coder.encode(symbols, layout, freqs), reps)
-            t_dec, out = _best(lambda: coder.decode(payloads, layout, freqs), reps)
-            assert np.array_equal(out, symbols)
-            bps = 8 * sum(map(len, payloads)) / layout.n_symbols
-            for op, t in (("encode", t_enc), ("decode", t_dec)):
-                emit({**base, "coder": coder.name, "op": op, "threads": threads, "symbols": layout.n_symbols, "seconds": round(t, 4),
-                      "msym_per_s": round(layout.n_symbols / t / 1e6, 1), "bits_per_symbol": round(bps, 4),
-                      "entropy_bits_per_symbol": round(entropy, 4)})  # fmt: skip
-        if cuda and torch.cuda.is_available():
-            coder = NativeCoder()
-            payloads = coder.encode(symbols, layout, freqs)
-            gpu = coder.decode_cuda(payloads, layout, freqs)  # warm-up: JIT build, tables to the GPU
-            assert np.array_equal(gpu.cpu().numpy(), symbols), "CUDA decode differs from CPU decode"
-            # kernel time only: the payload is already on the GPU in a real pipeline after the transfer
-            times = []
-            for _ in range(max(reps, 5)):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                coder.decode_cuda(payloads, layout, freqs)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            t = min(times)
-            kernel = min(coder.last_cuda_kernel_s for _ in range(3) if coder.decode_cuda(payloads, layout, freqs) is not None)
-            for what, secs in (("call (payload copy to GPU + kernel)", t), ("kernel", kernel)):
-                emit({**base, "coder": coder.name + "-cuda", "op": "decode", "threads": None, "symbols": layout.n_symbols,
-                      "seconds": round(secs, 5), "msym_per_s": round(layout.n_symbols / secs / 1e6, 1),
-                      "bits_per_symbol": round(8 * sum(map(len, payloads)) / layout.n_symbols, 4),
-                      "entropy_bits_per_symbol": round(entropy, 4), "timed": what, "substreams": layout.n_streams})  # fmt: skip
+    base: dict[str, Any] = {"data": data, "substreams": layout.n_streams, "tables": int(freqs.shape[0])}
+    speed = {"encode": None, "decode": None}
+    ref = torchac_lines(symbols, layout, freqs, torchac_symbols)
+    for line in ref:
+        speed[line["op"]] = line["msym_per_s"]
+        emit({**base, **line}, out)
+    if not available():
+        print("# native coder not built: no native lines", file=sys.stderr)
+        return
+
+    def line(coder: str, op: str, threads: int | None, seconds: float, bps: float, **extra: Any) -> None:
+        rate = layout.n_symbols / seconds / 1e6
+        x = {"x_torchac": round(rate / speed[op], 1)} if speed[op] else {}
+        emit({**base, "coder": coder, "op": op, "threads": threads, "symbols": layout.n_symbols, "seconds": round(seconds, 5),
+              "msym_per_s": round(rate, 1), "bits_per_symbol": round(bps, 4), "entropy_bits_per_symbol": round(entropy, 4),
+              **x, **extra}, out)  # fmt: skip
+
+    payloads: list[bytes] = []
+    for threads in sorted({1, 2, os.cpu_count() or 1}):
+        coder = NativeCoder(threads=threads)
+        coder.tables(freqs)  # table conversion is once per profile, not per chunk: keep it out of the timing
+        t_enc, payloads = best_time(lambda: coder.encode(symbols, layout, freqs), reps)
+        t_dec, decoded = best_time(lambda: coder.decode(payloads, layout, freqs), reps)
+        assert np.array_equal(decoded, symbols), "native decode differs from the input"
+        bps = 8 * sum(map(len, payloads)) / layout.n_symbols
+        line(coder.name, "encode", threads, t_enc, bps)
+        line(coder.name, "decode", threads, t_dec, bps)
+    if cuda:
+        cuda_lines(payloads, symbols, layout, freqs, reps, line)
+
+
+def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, reps: int,
+               line: Callable[..., None]) -> None:  # fmt: skip
+    """CUDA decode: kernel time alone, and the call with the payload's copy to the GPU."""
+    try:
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            return
+        from cachegen_core.coders import native_cuda  # noqa: PLC0415
+        from cachegen_core.coders.native import NativeCoder  # noqa: PLC0415
+
+        coder = NativeCoder()
+        gpu = coder.decode_cuda(payloads, layout, freqs)  # warm-up: JIT build, tables to the GPU
+    except Exception as e:
+        print(f"# CUDA decode unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+        return
+    assert np.array_equal(gpu.cpu().numpy(), symbols), "CUDA decode differs from the input"
+    calls, kernels = [], []
+    for _ in range(max(reps, 5)):
+        calls.append(native_cuda.timed_decode(coder, payloads, layout, freqs)[1])
+        kernels.append(coder.last_cuda_kernel_s)
+    bps = 8 * sum(map(len, payloads)) / layout.n_symbols
+    name = f"{coder.name}-cuda-{torch.cuda.get_device_name()}"
+    line(name, "decode", None, min(kernels), bps, timed="kernel")
+    line(name, "decode", None, min(calls), bps, timed="call: payload copy to the GPU + kernel")
+
+
+def torchac_lines(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, max_symbols: int) -> list[dict[str, Any]]:
+    """torchac encode and decode on the leading substreams (its per-symbol CDFs make it slow)."""
     try:
         import torchac  # noqa: F401, PLC0415
+
+        from cachegen_core.coders.reference import ReferenceCoder  # noqa: PLC0415
     except ImportError:
-        print("# torchac not installed here: no baseline", flush=True)
-        return
-    sub = _subset(layout, torchac_symbols)
-    ref = ReferenceCoder()
-    s = symbols[: sub.n_symbols]
-    t_enc, payloads = _best(lambda: ref.encode(s, sub, freqs), 1)
-    t_dec, out = _best(lambda: ref.decode(payloads, sub, freqs), 1)
-    assert np.array_equal(out, s)
+        print("# torchac not installed here: no baseline", file=sys.stderr)
+        return []
+    sub = subset(layout, max_symbols)
+    ref, s = ReferenceCoder(), symbols[: sub.n_symbols]
+    t_enc, payloads = best_time(lambda: ref.encode(s, sub, freqs), 1)
+    t_dec, decoded = best_time(lambda: ref.decode(payloads, sub, freqs), 1)
+    assert np.array_equal(decoded, s)
+    bps = 8 * sum(map(len, payloads)) / sub.n_symbols
     ent = cross_entropy_bits(s, sub, freqs) / sub.n_symbols
-    for op, t in (("encode", t_enc), ("decode", t_dec)):
-        emit({**base, "coder": ref.name, "op": op, "threads": 1, "symbols": sub.n_symbols, "seconds": round(t, 4),
-              "msym_per_s": round(sub.n_symbols / t / 1e6, 2), "bits_per_symbol": round(8 * sum(map(len, payloads)) / sub.n_symbols, 4),
-              "entropy_bits_per_symbol": round(ent, 4)})  # fmt: skip
-
-
-def synthetic_7b(tokens: int = 1536, seed: int = 0) -> KVCache:
-    """A 7B-shaped KV chunk (32 layers, 8 KV heads, head_dim 128): random walks with per-channel scales."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (32, 8, tokens, 128)
-    scale = torch.exp(torch.randn(32, 8, 1, 128, generator=g))
-    kv = []
-    for _ in range(2):
-        x = torch.randn(shape, generator=g).mul_(0.3).cumsum_(2).mul_(1 / 8) + torch.randn(shape, generator=g)
-        kv.append(x.mul_(scale))
-    return KVCache(*kv)
+    return [{"coder": ref.name, "op": op, "threads": 1, "symbols": sub.n_symbols, "seconds": round(t, 4),
+             "msym_per_s": round(sub.n_symbols / t / 1e6, 2), "bits_per_symbol": round(bps, 4),
+             "entropy_bits_per_symbol": round(ent, 4)} for op, t in (("encode", t_enc), ("decode", t_dec))]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--quick", action="store_true", help="7B chunk of 480 tokens, fewer repetitions (< 2 minutes)")
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--level", type=int, default=1)
-    ap.add_argument("--no-real", action="store_true")
-    ap.add_argument("--no-7b", action="store_true")
+    ap.add_argument("--tokens", type=int, default=1536)
+    ap.add_argument("--no-real", action="store_true", help="skip the reference model's chunk")
+    ap.add_argument("--no-7b", action="store_true", help="skip the 7B-shaped synthetic chunk")
     ap.add_argument("--no-cuda", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions, 7B chunk of 480 tokens (< 2 minutes)")
-    ap.add_argument("--save-real", default=None, help="also save the real chunk's symbols/layout/tables to this .npz")
-    ap.add_argument("--real-npz", default=None, help="measure a chunk saved by --save-real instead of loading the model")
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     args = ap.parse_args(argv)
-    setup_threads()
-    reps = 1 if args.quick else 3
-    torchac_symbols = 500_000 if args.quick else 3_000_000
-    if args.real_npz:
-        z = np.load(args.real_npz, allow_pickle=False)
-        layout = StreamLayout(z["offsets"], z["table_ids"])
-        measure(str(z["name"]), z["symbols"], layout, z["freqs"], reps=reps, torchac_symbols=torchac_symbols, cuda=not args.no_cuda)
-    elif not args.no_real:
-        from cachegen_core.config import CodecConfig  # noqa: PLC0415
-        from cachegen_core.fingerprint import model_fingerprint  # noqa: PLC0415
-        from cachegen_core.profile import find_profile  # noqa: PLC0415
-
-        model, tok = load(args.model)
-        fp = model_fingerprint(model, tok)
-        config = CodecConfig()
-        codec = KVCodec(config, find_profile(fp, config), fingerprint=fp)
-        ids = tok(read_jsonl(LONGCHAT, "prompt")[10])["input_ids"][:1536]
-        p = codec.prepare(context_kv(model, ids), args.level)
-        name = f"{args.model}-1536tok-L{args.level}-{'profile' if codec.profile else 'inline'}"
-        if args.save_real:
-            np.savez(args.save_real, name=name, symbols=p.symbols, offsets=p.layout.offsets, table_ids=p.layout.table_ids, freqs=p.freqs)
-        measure(name, p.symbols, p.layout, p.freqs, reps=reps, torchac_symbols=torchac_symbols, cuda=not args.no_cuda)
-        del model
-    if not args.no_7b:
-        kv = synthetic_7b(480 if args.quick else 1536)
-        p = KVCodec().prepare(kv, args.level)
-        del kv
-        measure(f"7b-synthetic-{p.shape[2]}tok-L{args.level}-inline", p.symbols, p.layout, p.freqs, reps=reps,
-                torchac_symbols=torchac_symbols, cuda=not args.no_cuda)  # fmt: skip
+    reps = 2 if args.quick else 5
+    torchac_symbols = 300_000 if args.quick else 2_000_000
+    out = open(args.out, "a") if args.out else None
+    try:
+        if not args.no_7b:
+            tokens = 480 if args.quick else args.tokens
+            sym, layout, freqs = synthetic_7b(tokens)
+            measure(f"7b-laplace-{tokens}tok", sym, layout, freqs, reps=reps, torchac_symbols=torchac_symbols,
+                    cuda=not args.no_cuda, out=out)  # fmt: skip
+            del sym, layout, freqs
+            gc.collect()
+        if not args.no_real:
+            for name, sym, layout, freqs in real_chunks(args.model, args.level, args.tokens):
+                measure(name, sym, layout, freqs, reps=reps, torchac_symbols=torchac_symbols, cuda=not args.no_cuda, out=out)
+    finally:
+        if out:
+            out.close()
 
 
 if __name__ == "__main__":

@@ -1,73 +1,97 @@
-// CUDA decoder for the interleaved-rANS substreams of rans_core.h: one warp per substream,
-// lane k < CG_LANES decodes symbols j = k, k + CG_LANES, ... Within a round the lanes that
+// CUDA decoder for the interleaved-rANS substreams of rans_core.h (same bytes, same symbols
+// as the CPU decoder). Each half-warp decodes one substream: thread k < CG_LANES of the
+// half runs lane k, decoding symbols j = k, k + CG_LANES, ... Within a round the lanes that
 // must renormalise read consecutive u16 words in lane order (ballot + popc), exactly as the
-// serial CPU decoder does, so both accept and produce the same bytes and symbols.
-// Errors never read out of bounds: every read is checked against the substream's length.
+// serial CPU decoder does. Substreams are taken in the order given by `order` (the host
+// sorts them longest first, so the two halves of a warp get similar lengths).
+// Tables (info, lut) are read through the read-only cache. Every payload read is checked
+// against the substream's length, so bad input yields a status code, never a bad access.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "rans_core.h"
 
-__global__ void cg_decode_kernel(const uint8_t* __restrict__ in, const int64_t* __restrict__ in_off, int32_t n_streams,
-                                 const int64_t* __restrict__ sym_off, const int32_t* __restrict__ table_ids,
-                                 int32_t period, const uint32_t* __restrict__ cdf, uint32_t alphabet,
+#define CG_FULL_MASK 0xffffffffu
+
+__global__ void cg_decode_kernel(const uint8_t* __restrict__ in, const int64_t* __restrict__ in_off,
+                                 int32_t n_streams, const int64_t* __restrict__ sym_off,
+                                 const int32_t* __restrict__ table_ids, int32_t period,
+                                 const uint32_t* __restrict__ info, const uint8_t* __restrict__ lut,
+                                 int32_t lut_bits, int32_t alphabet, const int32_t* __restrict__ order,
                                  uint8_t* __restrict__ out, int32_t* __restrict__ status) {
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    if (warp >= n_streams) return;
-    const uint8_t* src = in + in_off[warp];
-    const int64_t len = in_off[warp + 1] - in_off[warp];
-    const int64_t n = sym_off[warp + 1] - sym_off[warp];
-    uint8_t* dst = out + sym_off[warp];
-    const int32_t* tids = table_ids + (int64_t)warp * period;
-    const unsigned lanes_mask = (1u << CG_LANES) - 1;
+    const int64_t half_id = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / CG_LANES;
+    const int k = threadIdx.x % CG_LANES;
+    const int half_shift = (threadIdx.x % 32) & ~(CG_LANES - 1);  // 0 or 16: this half's bits in a ballot
+    const bool has = half_id < n_streams;
+    const int32_t s = has ? order[half_id] : 0;
+    const int64_t len = has ? in_off[s + 1] - in_off[s] : 0;
+    const int64_t n = has ? sym_off[s + 1] - sym_off[s] : 0;
+    const uint8_t* src = in + (has ? in_off[s] : 0);
+    uint8_t* dst = out + (has ? sym_off[s] : 0);
+    const int32_t* tids = table_ids + (int64_t)s * period;
+    const uint32_t shift = CG_PREC - (uint32_t)lut_bits;
+
     int err = CG_OK;
-    if (n == 0) {
-        if (lane == 0) status[warp] = len == 0 ? CG_OK : CG_ERR_TRAILING;
-        return;
+    bool live = has && n > 0 && len >= CG_STATE_BYTES;
+    if (has && n == 0 && len != 0) err = CG_ERR_TRAILING;
+    if (has && n > 0 && len < CG_STATE_BYTES) err = CG_ERR_SHORT;
+    uint32_t x = live ? cg_load_u32(src + 4 * k) : CG_RANS_L;
+    const unsigned bad_state = (__ballot_sync(CG_FULL_MASK, live && x < CG_RANS_L) >> half_shift) & 0xffffu;
+    if (live && bad_state) {
+        err = CG_ERR_STATE;
+        live = false;
     }
-    if (len < 4 * CG_LANES) {
-        if (lane == 0) status[warp] = CG_ERR_SHORT;
-        return;
-    }
-    const bool active = lane < CG_LANES;
-    uint32_t x = active ? cg_load_u32(src + 4 * lane) : CG_RANS_L;
-    if (__any_sync(0xffffffffu, active && x < CG_RANS_L)) {
-        if (lane == 0) status[warp] = CG_ERR_STATE;
-        return;
-    }
-    int64_t pos = 4 * CG_LANES;
-    const int64_t stride = alphabet + 1;
-    for (int64_t base = 0; base < n; base += CG_LANES) {
-        const int64_t j = base + lane;
-        const bool mine = active && j < n;
+    const bool started = live;
+    int64_t pos = CG_STATE_BYTES, base = 0;
+    int32_t t = 0;  // table index of this round's first symbol
+    while (__any_sync(CG_FULL_MASK, live)) {
         bool need = false;
-        if (mine) {
-            const uint32_t* c = cdf + (int64_t)__ldg(tids + (j % period)) * stride;
-            dst[j] = (uint8_t)cg_dec_get(&x, c, alphabet);
+        if (live && base + k < n) {
+            int32_t tk = t + k;
+            if (tk >= period) {
+                tk -= period;
+                if (tk >= period) tk %= period;  // only when period < CG_LANES
+            }
+            const int64_t id = __ldg(tids + tk);
+            dst[base + k] = (uint8_t)cg_dec_step(&x, info + id * alphabet, lut + (id << lut_bits), shift);
             need = x < CG_RANS_L;
         }
-        const unsigned ballot = __ballot_sync(0xffffffffu, need) & lanes_mask;
-        const int64_t my = pos + 2 * __popc(ballot & ((1u << lane) - 1));
-        pos += 2 * __popc(ballot);
-        if (pos > len) {
-            err = CG_ERR_SHORT;
-            break;  // uniform across the warp: pos is the same in every lane
+        const unsigned words = (__ballot_sync(CG_FULL_MASK, need) >> half_shift) & 0xffffu;
+        if (live) {
+            const int64_t mine = pos + 2 * __popc(words & ((1u << k) - 1));
+            pos += 2 * __popc(words);
+            if (pos > len) {  // pos is the same in every thread of the half: it stops as a whole
+                err = CG_ERR_SHORT;
+                live = false;
+            } else {
+                if (need) x = (x << 16) | cg_load_u16(src + mine);
+                base += CG_LANES;
+                t += CG_LANES;
+                if (t >= period) t %= period;
+                live = base < n;
+            }
         }
-        if (need) x = (x << 16) | cg_load_u16(src + my);
     }
-    if (err == CG_OK && pos != len) err = CG_ERR_TRAILING;
-    if (err == CG_OK && __any_sync(0xffffffffu, active && x != CG_RANS_L)) err = CG_ERR_FINAL;
-    if (lane == 0) status[warp] = err;
+    const unsigned not_final = (__ballot_sync(CG_FULL_MASK, x != CG_RANS_L) >> half_shift) & 0xffffu;
+    if (started && err == CG_OK) {
+        if (pos != len) err = CG_ERR_TRAILING;
+        else if (not_final) err = CG_ERR_FINAL;
+    }
+    if (has && k == 0) status[s] = err;
 }
 
+// Launch the decoder on `stream` (a cudaStream_t); every pointer is a device pointer.
+// Returns the launch's cudaError_t (0 on success); per-stream results land in status.
 extern "C" int cg_cuda_decode(const uint8_t* in, const int64_t* in_off, int32_t n_streams, const int64_t* sym_off,
-                              const int32_t* table_ids, int32_t period, const uint32_t* cdf, uint32_t alphabet,
-                              uint8_t* out, int32_t* status, void* stream) {
+                              const int32_t* table_ids, int32_t period, const uint32_t* info, const uint8_t* lut,
+                              int32_t lut_bits, int32_t alphabet, const int32_t* order, uint8_t* out,
+                              int32_t* status, void* stream, int32_t threads_per_block) {
     if (n_streams <= 0) return 0;
-    const int threads = 128;  // 4 warps per block
-    const int blocks = (n_streams * 32 + threads - 1) / threads;
+    if (period < 1 || lut_bits < 1 || lut_bits > 16 || alphabet < 2 || alphabet > 256) return (int)cudaErrorInvalidValue;
+    const int threads = threads_per_block > 0 ? ((threads_per_block + 31) / 32) * 32 : 64;
+    const int64_t total = (int64_t)n_streams * CG_LANES;
+    const unsigned blocks = (unsigned)((total + threads - 1) / threads);
     cg_decode_kernel<<<blocks, threads, 0, (cudaStream_t)stream>>>(in, in_off, n_streams, sym_off, table_ids, period,
-                                                                   cdf, alphabet, out, status);
+                                                                   info, lut, lut_bits, alphabet, order, out, status);
     return (int)cudaGetLastError();
 }

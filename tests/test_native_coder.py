@@ -1,5 +1,10 @@
-"""The native rANS coder: exact round trips, agreement with the torchac oracle, and hostile input."""
+"""The native rANS coder: exact round trips, agreement with the torchac oracle, a frozen byte
+format, hostile input, the coder registry, and (where nvcc / a GPU exist) the CUDA decoder."""
 
+from __future__ import annotations
+
+import ctypes
+import hashlib
 import shutil
 import subprocess
 from pathlib import Path
@@ -8,25 +13,28 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cachegen_core.coders import default_coder
+from cachegen_core import coders
+from cachegen_core.coders import default_coder, get_coder
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, cross_entropy_bits
-from cachegen_core.coders.native import CSRC, NativeCoder, available
+from cachegen_core.coders.native import CSRC, NativeCoder, _library, available
 from cachegen_core.coders.reference import ReferenceCoder
 from cachegen_core.errors import CoderError
 
 pytestmark = pytest.mark.skipif(not available(), reason="native coder library not built")
 
 
-def tables(rng, n_tables, alphabet, concentration=0.3, near_zero=False):
+def tables(rng: np.random.Generator, n_tables: int, alphabet: int, concentration: float = 0.3, near_zero: bool = False) -> np.ndarray:
+    """Random valid tables (Dirichlet); with ``near_zero`` half the alphabet has frequency 1."""
     p = rng.dirichlet(np.ones(alphabet) * concentration, size=n_tables)
     f = np.floor(p * (TOTAL_FREQ - alphabet)).astype(np.int64) + 1
     if near_zero:
-        f[:, : alphabet // 2] = 1  # half the alphabet at probability 2^-16
+        f[:, : alphabet // 2] = 1
     f[np.arange(n_tables), f.argmax(1)] += TOTAL_FREQ - f.sum(1)
     return f.astype(np.uint32)
 
 
-def sample(rng, freqs, layout):
+def sample(rng: np.random.Generator, freqs: np.ndarray, layout: StreamLayout) -> np.ndarray:
+    """Symbols drawn from the very tables the layout assigns them."""
     cum = np.cumsum(freqs / TOTAL_FREQ, axis=1)
     out = np.empty(layout.n_symbols, np.uint8)
     for s in range(layout.n_streams):
@@ -36,8 +44,14 @@ def sample(rng, freqs, layout):
     return out
 
 
-def layout_of(counts, table_ids):
+def layout_of(counts, table_ids) -> StreamLayout:
     return StreamLayout(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), np.asarray(table_ids, np.int32))
+
+
+def round_trip(coder: NativeCoder, sym: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> list[bytes]:
+    payloads = coder.encode(sym, layout, freqs)
+    assert np.array_equal(coder.decode(payloads, layout, freqs), sym)
+    return payloads
 
 
 @settings(max_examples=60, deadline=None)
@@ -55,50 +69,128 @@ def test_round_trip_matches_reference(alphabet, counts, period, skew, near_zero,
     layout = layout_of(counts, rng.integers(0, 5, (len(counts), period)))
     sym = sample(rng, freqs, layout)
     if near_zero and sym.size:
-        sym[:: max(1, sym.size // 7)] = 0  # force some 1/65536 symbols
-    native = NativeCoder(threads=2)
-    payloads = native.encode(sym, layout, freqs)
-    assert np.array_equal(native.decode(payloads, layout, freqs), sym)
+        sym[:: max(1, sym.size // 7)] = 0  # force some symbols of probability 2^-16
+    payloads = round_trip(NativeCoder(threads=2), sym, layout, freqs)
     ref = ReferenceCoder()
     assert np.array_equal(ref.decode(ref.encode(sym, layout, freqs), layout, freqs), sym)
     assert all(len(p) == 0 for p, c in zip(payloads, counts) if c == 0)
 
 
-def test_one_symbol_and_uniform_streams():
-    rng = np.random.default_rng(1)
-    for alphabet in (2, 3, 17, 255, 256):
-        freqs = np.full((1, alphabet), TOTAL_FREQ // alphabet, np.int64)
-        freqs[0, 0] += TOTAL_FREQ - freqs.sum()
-        freqs = freqs.astype(np.uint32)
-        layout = layout_of([1, 0, 1000], np.zeros((3, 1)))
-        sym = rng.integers(0, alphabet, 1001).astype(np.uint8)
-        c = NativeCoder(threads=1)
-        assert np.array_equal(c.decode(c.encode(sym, layout, freqs), layout, freqs), sym)
+@pytest.mark.parametrize("alphabet", [2, 3, 17, 255, 256])
+def test_one_symbol_empty_and_uniform_streams(alphabet):
+    rng = np.random.default_rng(alphabet)
+    freqs = np.full((1, alphabet), TOTAL_FREQ // alphabet, np.int64)
+    freqs[0, 0] += TOTAL_FREQ - freqs.sum()
+    layout = layout_of([1, 0, 1000, 15, 16, 17], np.zeros((6, 1)))
+    sym = rng.integers(0, alphabet, layout.n_symbols).astype(np.uint8)
+    payloads = round_trip(NativeCoder(threads=1), sym, layout, freqs.astype(np.uint32))
+    assert payloads[1] == b"" and len(payloads[0]) >= 64
 
 
-def test_size_within_half_a_percent_of_entropy():
+def test_every_symbol_at_minimum_frequency():
+    """Tables where almost all symbols have frequency 1, coded with exactly those symbols."""
+    freqs = np.ones((2, 256), np.uint32)
+    freqs[0, 7] = freqs[1, 200] = TOTAL_FREQ - 255
+    layout = layout_of([5000, 4999], [[0, 1, 1], [1, 0, 1]])
+    sym = np.arange(layout.n_symbols, dtype=np.int64).astype(np.uint8)  # mostly the 2^-16 symbols
+    payloads = round_trip(NativeCoder(), sym, layout, freqs)
+    assert 8 * sum(map(len, payloads)) <= cross_entropy_bits(sym, layout, freqs) * 1.005 + 2 * 64 * 8
+
+
+def test_byte_format_is_frozen():
+    """Blobs in stores must stay decodable: these bytes are the v1 format (csrc/rans_core.h)."""
+    freqs = np.array([[40000, 20000, 5000, 536], [1, 1, 65533, 1]], np.uint32)
+    layout = layout_of([0, 1, 36, 1000], [[0, 1, 1], [1, 0, 0], [0, 0, 1], [1, 1, 0]])
+    sym = (np.arange(1037) * 7919 % 13 % 4).astype(np.uint8)
+    sym[(np.arange(1037) % 3 == 0) & (sym > 2)] = 2
+    payloads = round_trip(NativeCoder(), sym, layout, freqs)
+    assert [len(p) for p in payloads] == [0, 66, 76, 1170]
+    assert payloads[1] == bytes.fromhex("00000100" * 16 + "0000")
+    assert hashlib.sha256(b"".join(payloads)).hexdigest() == "afb7467343335db7c76eca6942a3b78ad1a296a59383384c5ebd75b3f5c2d81d"
+
+
+@pytest.mark.parametrize("n_tables", [3, 2000])  # both slot-lookup resolutions (12 and 8 bits)
+def test_size_within_half_a_percent_of_entropy(n_tables):
     rng = np.random.default_rng(2)
-    freqs = tables(rng, 192, 256, 0.3)
-    layout = layout_of([200_000] * 4, np.tile(np.arange(192), (4, 1)))
+    freqs = tables(rng, n_tables, 256, 0.3)
+    layout = layout_of([50_000] * 4, rng.integers(0, n_tables, (4, 192)))
     sym = sample(rng, freqs, layout)
-    coded = 8 * sum(map(len, NativeCoder().encode(sym, layout, freqs)))
+    payloads = round_trip(NativeCoder(), sym, layout, freqs)
+    coded = 8 * sum(map(len, payloads))
     assert coded <= cross_entropy_bits(sym, layout, freqs) * 1.005
 
 
-def test_threads_give_identical_bytes():
+def test_threads_give_identical_bytes_and_symbols():
     rng = np.random.default_rng(3)
     freqs = tables(rng, 8, 64)
     layout = layout_of([50_000, 70_000, 10, 0, 90_000], rng.integers(0, 8, (5, 8)))
     sym = sample(rng, freqs, layout)
-    assert NativeCoder(threads=1).encode(sym, layout, freqs) == NativeCoder(threads=4).encode(sym, layout, freqs)
+    one, four = NativeCoder(threads=1), NativeCoder(threads=4)
+    payloads = one.encode(sym, layout, freqs)
+    assert payloads == four.encode(sym, layout, freqs)
+    assert np.array_equal(four.decode(payloads, layout, freqs), one.decode(payloads, layout, freqs))
 
 
-def _valid():
+def test_decode_into_and_table_cache_by_identity():
+    rng = np.random.default_rng(8)
+    layout = layout_of([3000, 0, 2000], rng.integers(0, 4, (3, 9)))
+    c = NativeCoder()
+    for _ in range(3):  # same shape, new arrays: never a stale cache hit
+        freqs = tables(rng, 4, 100)
+        sym = sample(rng, freqs, layout)
+        out = np.full(layout.n_symbols, 255, np.uint8)
+        c.decode_into(c.encode(sym, layout, freqs), layout, freqs, out)
+        assert np.array_equal(out, sym)
+    with pytest.raises(CoderError, match="output"):
+        c.decode_into(c.encode(sym, layout, freqs), layout, freqs, np.empty(3, np.uint8))
+
+
+def test_bad_tables_layouts_and_symbols_are_coder_errors():
+    rng = np.random.default_rng(9)
+    freqs = tables(rng, 2, 8)
+    layout = layout_of([100], [[0, 1]])
+    sym = sample(rng, freqs, layout)
+    c = NativeCoder()
+    zero = freqs.copy()
+    zero[0, 0], zero[0, 1] = 0, zero[0, 1] + zero[0, 0]
+    for bad in (zero, freqs.astype(np.int64), freqs[:, :1], freqs + 1):
+        with pytest.raises(CoderError):
+            c.encode(sym, layout, bad)
+    with pytest.raises(CoderError):
+        c.encode(sym, layout_of([100], [[0, 2]]), freqs)  # table id out of range
+    with pytest.raises(CoderError):
+        c.encode(sym[:-1], layout, freqs)
+    with pytest.raises(CoderError, match="alphabet"):
+        c.encode(np.full(100, 8, np.uint8), layout, freqs)
+    with pytest.raises(CoderError, match="substreams"):
+        c.decode([], layout, freqs)
+
+
+def test_library_checks_raw_arguments():
+    """The C ABI rejects inconsistent offsets and table ids itself (not only the Python wrapper)."""
+    lib = _library()
+    freqs = np.full((1, 4), TOTAL_FREQ // 4, np.uint32)
+    t = NativeCoder().tables(freqs)
+    p = lambda a: a.ctypes.data  # noqa: E731
+    in_off = np.array([0, 10], np.int64)
+    buf = np.zeros(10, np.uint8)
+    out = np.zeros(8, np.uint8)
+    status = np.zeros(1, np.int32)
+    for sym_off, tids in ((np.array([0, -4], np.int64), np.zeros(1, np.int32)), (np.array([0, 8], np.int64), np.array([5], np.int32))):
+        err = lib.cg_decode(p(buf), p(in_off), 1, p(sym_off), p(tids), 1, p(t.info), p(t.lut), t.lut_bits, 1, 4, p(out), p(status), 1)
+        assert err == -7
+    bad = np.array([[0, 1, 2, 3]], np.uint32)
+    info, lut = np.zeros((1, 4), np.uint32), np.zeros((1, 256), np.uint8)
+    assert lib.cg_build_tables(p(bad), 1, 4, 8, p(info), p(lut)) == -8
+
+
+def _valid() -> tuple[NativeCoder, StreamLayout, np.ndarray, np.ndarray, list[bytes]]:
     rng = np.random.default_rng(4)
     freqs = tables(rng, 3, 40)
     layout = layout_of([500, 300], rng.integers(0, 3, (2, 5)))
     sym = sample(rng, freqs, layout)
-    return NativeCoder(threads=1), layout, freqs, sym, NativeCoder(threads=1).encode(sym, layout, freqs)
+    c = NativeCoder(threads=1)
+    return c, layout, freqs, sym, c.encode(sym, layout, freqs)
 
 
 def test_truncated_oversized_and_garbage_payloads_are_errors():
@@ -107,8 +199,11 @@ def test_truncated_oversized_and_garbage_payloads_are_errors():
     for n in range(len(p0)):
         with pytest.raises(CoderError):
             c.decode([p0[:n], payloads[1]], layout, freqs)
-    with pytest.raises(CoderError, match="trailing"):
-        c.decode([p0 + b"\0\0", payloads[1]], layout, freqs)
+    for extra in (b"\0", b"\0\0", bytes(1000)):
+        with pytest.raises(CoderError, match="trailing"):
+            c.decode([p0 + extra, payloads[1]], layout, freqs)
+    with pytest.raises(CoderError, match="trailing"):  # an empty substream that is not empty
+        c.decode([p0, payloads[1], b"x"], layout_of([500, 300, 0], np.zeros((3, 5))), freqs)
     rng = np.random.default_rng(5)
     rejected = 0
     for _ in range(300):
@@ -121,24 +216,46 @@ def test_truncated_oversized_and_garbage_payloads_are_errors():
     assert rejected >= 290  # the end-state check catches almost all garbage
 
 
-def test_bit_flips_never_crash():
+def test_bit_flips_are_caught_or_in_range():
     c, layout, freqs, sym, payloads = _valid()
+    caught = 0
     for i in range(len(payloads[0])):
-        bad = bytearray(payloads[0])
-        bad[i] ^= 0x10
-        try:
-            c.decode([bytes(bad), payloads[1]], layout, freqs)
-        except CoderError:
-            pass
+        for bit in (0x01, 0x10, 0x80):
+            bad = bytearray(payloads[0])
+            bad[i] ^= bit
+            try:
+                out = c.decode([bytes(bad), payloads[1]], layout, freqs)
+                assert out.max() < freqs.shape[1]
+            except CoderError:
+                caught += 1
+    assert caught >= 0.95 * 3 * len(payloads[0])
 
 
-def test_codec_picks_native_by_default():
+def test_registry_prefers_native_and_falls_back_to_reference(monkeypatch):
+    assert default_coder().name == NativeCoder.name
+    assert get_coder(NativeCoder.name) is get_coder(NativeCoder.name)
+    assert isinstance(get_coder("torchac"), ReferenceCoder)
+    with pytest.raises(KeyError):
+        get_coder("no-such-coder")
+    from cachegen_core.coders import native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    coders.available_coders.cache_clear()
+    coders.get_coder.cache_clear()
+    try:
+        assert default_coder().name == ReferenceCoder.name
+    finally:
+        monkeypatch.undo()
+        coders.available_coders.cache_clear()
+        coders.get_coder.cache_clear()
     assert default_coder().name == NativeCoder.name
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_sources_compile(tmp_path: Path):
-    for cu in CSRC.glob("*.cu"):
+    sources = sorted(CSRC.glob("*.cu"))
+    assert sources
+    for cu in sources:
         subprocess.run(["nvcc", "-c", str(cu), "-o", str(tmp_path / (cu.stem + ".o")), "-I", str(CSRC)], check=True)
 
 
@@ -155,9 +272,10 @@ def _cuda_ready() -> bool:
 def test_cuda_decode_equals_cpu_decode():
     rng = np.random.default_rng(7)
     c = NativeCoder()
-    for alphabet, counts, period in [(256, [0, 1, 17, 100_000, 5], 192), (2, [3000, 3001], 1), (40, [16, 15, 33], 7)]:
-        freqs = tables(rng, 9, alphabet)
-        layout = layout_of(counts, rng.integers(0, 9, (len(counts), period)))
+    cases = [(256, [0, 1, 17, 100_000, 5, 6528, 58752], 192, 9), (2, [3000, 3001], 1, 9), (40, [16, 15, 33, 0], 7, 9), (256, [20_000] * 5, 64, 3000)]
+    for alphabet, counts, period, n_tables in cases:
+        freqs = tables(rng, n_tables, alphabet, near_zero=alphabet > 2)
+        layout = layout_of(counts, rng.integers(0, n_tables, (len(counts), period)))
         sym = sample(rng, freqs, layout)
         payloads = c.encode(sym, layout, freqs)
         cpu = c.decode(payloads, layout, freqs)
@@ -165,9 +283,23 @@ def test_cuda_decode_equals_cpu_decode():
         assert np.array_equal(gpu, cpu) and np.array_equal(cpu, sym)
         big = max(range(len(counts)), key=lambda i: counts[i])
         broken = list(payloads)
-        broken[big] = broken[big][:-2]
-        with pytest.raises(CoderError):
-            c.decode_cuda(broken, layout, freqs)
+        for cut in (2, 1, len(payloads[big]) - 10):
+            broken[big] = payloads[big][:-cut]
+            with pytest.raises(CoderError):
+                c.decode_cuda(broken, layout, freqs)
         broken[big] = payloads[big] + b"\0\0"
         with pytest.raises(CoderError, match="trailing"):
             c.decode_cuda(broken, layout, freqs)
+        for _ in range(20):  # garbage: the same verdict as the CPU decoder, never a fault
+            junk = list(payloads)
+            junk[big] = rng.integers(0, 256, len(payloads[big])).astype(np.uint8).tobytes()
+            try:
+                cpu_bad = c.decode(junk, layout, freqs)
+            except CoderError:
+                cpu_bad = None
+            try:
+                gpu_bad = c.decode_cuda(junk, layout, freqs).cpu().numpy()
+            except CoderError:
+                gpu_bad = None
+            assert (cpu_bad is None) == (gpu_bad is None)
+            assert cpu_bad is None or np.array_equal(cpu_bad, gpu_bad)

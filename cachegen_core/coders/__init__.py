@@ -1,4 +1,8 @@
-"""Entropy coders behind one interface; blobs record the coder's name so each decodes with its own."""
+"""Entropy coders behind one interface; blobs record the coder's name so each decodes with its own.
+
+``native-rans16-v1`` (``native.py``, C++/CUDA in ``csrc/``) is the default wherever its
+library loads; ``torchac`` (``reference.py``) is the slow oracle and the fallback.
+"""
 
 from __future__ import annotations
 
@@ -22,11 +26,12 @@ def available_coders() -> dict[str, type]:
     return coders
 
 
+@lru_cache(maxsize=None)
 def get_coder(name: str) -> Coder:
-    """The coder that wrote blobs named ``name``; ``KeyError`` if this build lacks it."""
+    """The coder that wrote blobs named ``name`` (one shared instance); ``KeyError`` if this build lacks it."""
     return available_coders()[name]()
 
 
 def default_coder() -> Coder:
     """The fastest coder available here: native when its library loads, else torchac."""
-    return next(iter(available_coders().values()))()
+    return get_coder(next(iter(available_coders())))
