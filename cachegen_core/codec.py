@@ -200,6 +200,9 @@ class KVCodec:
         """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``."""
         c = unpack(blob, self.limits)
         h = c.header
+        for key in ("codec", "codec_id", "tables", "dtype", "coder", "model_fingerprint"):
+            if not isinstance(h.get(key), str):
+                raise CacheGenFormatError(f"header field {key!r} must be a string, got {h.get(key)!r}")
         if h.get("codec") != "cachegen" or h.get("codec_id") != self.codec_id:
             raise CacheGenFormatError(f"blob was written by codec {h.get('codec_id')!r}, this codec is {self.codec_id}")
         if self.fingerprint and h.get("model_fingerprint") != self.fingerprint:
@@ -276,10 +279,10 @@ class KVCodec:
                 params["delta_step"][kind],
                 self.config.anchor_offset,
             )
-            x = self.config.dequantize(q, tokens)
-            if not torch.isfinite(x).all():
+            x = ltc_to_kind(self.config.dequantize(q, tokens), heads).to(dtype).contiguous()
+            if not torch.isfinite(x).all():  # checked in the blob's dtype: float16 overflows past 65504
                 raise CacheGenFormatError("decoded KV is not finite")
-            out.append(ltc_to_kind(x, heads).to(dtype).contiguous())
+            out.append(x)
         return KVCache(out[0], out[1])
 
 

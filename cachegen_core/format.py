@@ -23,6 +23,7 @@ ever unpickled: sections are raw little-endian arrays of an allow-listed dtype.
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -113,7 +114,7 @@ def _read_header(mv: memoryview, limits: Limits) -> tuple[dict[str, Any], int]:
         raise _fail("header checksum mismatch (corrupted header)")
     try:
         header = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, ints over 4300 digits
         raise _fail(f"header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise _fail("header is not a JSON object")
@@ -137,7 +138,7 @@ def unpack(blob: bytes | memoryview, limits: Limits = Limits()) -> Container:
         raise _fail("header field 'sections' must be a list of at most 64 entries")
     sections: dict[str, np.ndarray] = {}
     for s in secs:
-        if not isinstance(s, dict) or not isinstance(s.get("name"), str) or s.get("dtype") not in SECTION_DTYPES:
+        if not isinstance(s, dict) or not isinstance(s.get("name"), str) or not isinstance(s.get("dtype"), str) or s["dtype"] not in SECTION_DTYPES:
             raise _fail(f"bad section descriptor {s!r}")
         shape = s.get("shape")
         if (
@@ -146,7 +147,7 @@ def unpack(blob: bytes | memoryview, limits: Limits = Limits()) -> Container:
             or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape)
         ):
             raise _fail(f"section {s['name']!r}: bad shape {shape!r}")
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)  # exact: numpy's int64 product would wrap or overflow on forged dims
         if count > limits.max_section_elements:
             raise _fail(f"section {s['name']!r} claims {count} elements, over the limit")
         dtype = np.dtype(SECTION_DTYPES[s["dtype"]]).newbyteorder("<")
