@@ -32,9 +32,9 @@ def test_seeds_cover_every_coder_level_and_table_source(seeds):
 
 
 def test_short_fuzz_run_finds_nothing():
-    rep = H.run(inputs=4000, seconds=25, seed=1)
+    rep = H.run(inputs=3000, seconds=30, seed=1)
     summary = rep.summary()
-    assert rep.inputs >= 1500, summary  # a 2-core CI machine does ~150 inputs/s with tracing
+    assert rep.inputs >= 1000, summary  # a 2-core machine does ~120-160 inputs/s with tracing
     findings = [{k: v for k, v in f.items() if k != "input_hex"} for f in rep.findings]
     assert findings == [], json.dumps(findings[:5], indent=1)
     for name, t in rep.targets.items():
