@@ -28,6 +28,8 @@ from .quantize import ALPHABET, DELTA_OFFSET, DELTA_RADIUS, Quantized, from_bf16
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_DIM = 1 << 14
+#: A blob may decode to at most this many KV elements per byte (0.004 bits per element).
+MAX_ELEMENTS_PER_BYTE = 2048
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,10 @@ class KVCodec:
             raise CacheGenFormatError(f"bad dtype {h.get('dtype')!r}")
         layers, heads, tokens, dim = shape
         channels = heads * dim
+        elements = 2 * layers * tokens * channels
+        # rANS can spend almost no bits on a near-certain symbol: bound what a blob may expand to.
+        if elements > self.limits.max_section_elements or elements > MAX_ELEMENTS_PER_BYTE * len(blob):
+            raise CacheGenFormatError(f"shape {shape} claims {elements} elements, too many for a blob of {len(blob)} bytes")
         if self.profile is not None and tables == "profile":
             m = self.profile.meta
             if (layers, channels) != (m["num_layers"], m["channels"]):

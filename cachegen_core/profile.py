@@ -36,10 +36,13 @@ def counts_to_freqs(counts: np.ndarray, alpha: float = 0.05) -> np.ndarray:
     """
     counts = np.asarray(counts, dtype=np.float64)
     a = counts.shape[-1]
-    p = (counts + alpha) / (counts.sum(axis=-1, keepdims=True) + alpha * a)
+    total = counts.sum(axis=-1, keepdims=True) + alpha * a
+    # A table that saw nothing (e.g. the deltas of a one-token chunk) is uniform.
+    p = np.where(total > 0, (counts + alpha) / np.where(total > 0, total, 1.0), 1.0 / a)
     f = np.floor(p * (TOTAL_FREQ - a)).astype(np.int64) + 1
     deficit = TOTAL_FREQ - f.sum(axis=-1)
-    np.put_along_axis(f, f.argmax(axis=-1)[..., None], np.take_along_axis(f, f.argmax(axis=-1)[..., None], -1) + deficit[..., None], -1)
+    top = f.argmax(axis=-1)[..., None]
+    np.put_along_axis(f, top, np.take_along_axis(f, top, -1) + deficit[..., None], -1)
     return f.astype(np.uint32)
 
 

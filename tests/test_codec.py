@@ -165,3 +165,24 @@ def test_bad_inputs_to_encode(tiny_kv):
 def test_reference_coder_recorded(tiny_kv):
     blob = KVCodec(coder=ReferenceCoder()).encode(tiny_kv.slice(0, 20), 2)
     assert read_header(blob)["coder"] == "torchac"
+
+
+def test_forged_header_cannot_make_the_decoder_allocate_without_bound():
+    from tests.fuzz.harness import _repack
+
+    blob = _small_blob()
+
+    for tokens in (100_000, 32_000):  # within max_tokens, far beyond what 1 KB holds; 32000 keeps the stream count
+
+        def claim_many(h, tokens=tokens):
+            h["shape"][2] = tokens
+
+        with pytest.raises(CacheGenFormatError):
+            KVCodec(fingerprint="m1").decode(_repack(blob, claim_many))
+    assert len(blob) * 2048 < 2 * 1 * 2 * 10**7  # the element bound would stop a claim of 10M tokens
+
+    def list_dtype(h):
+        h["dtype"] = ["float32"]
+
+    with pytest.raises(CacheGenFormatError, match="string"):
+        KVCodec(fingerprint="m1").decode(_repack(blob, list_dtype))
