@@ -1,6 +1,7 @@
 """Entropy-coder throughput: native rANS (CPU threads, CUDA) against torchac, on real and 7B-shaped chunks.
 
     python -m benchmarks.coder_throughput [--quick] [--no-real] [--no-7b] [--no-cuda] [--out FILE]
+        [--save-chunks DIR] [--npz FILE ...]
 
 One JSON line per (data, coder, operation, threads): ``coder``, ``op``, ``threads``,
 ``symbols``, ``seconds`` (best of the repetitions), ``msym_per_s``, ``bits_per_symbol``
@@ -15,6 +16,8 @@ profile has); (2) ``<model>-profile`` / ``<model>-inline``: the symbols and tabl
 real 1536-token chunk of the reference model through ``KVCodec.prepare`` with the
 model's profile and with per-chunk tables (skipped when the model is not provisioned).
 torchac runs on a leading subset of the substreams (it codes ~2-4 Msym/s).
+``--save-chunks DIR`` keeps each chunk's symbols and tables as an .npz file and ``--npz``
+measures such files instead (for a machine without the model, e.g. a GPU box).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import gc
 import os
 import sys
 import time
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 import numpy as np
 
@@ -112,15 +115,28 @@ def real_chunks(model_name: str, level: int, tokens: int) -> list[tuple[str, np.
     return out
 
 
+def save_chunk(directory: str, name: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> None:
+    """Keep a chunk's coder inputs (compressed; tables as uint16, which always holds them)."""
+    os.makedirs(directory, exist_ok=True)
+    np.savez(os.path.join(directory, f"{name}.npz"), name=name, symbols=symbols, offsets=layout.offsets,
+                        table_ids=layout.table_ids, freqs=freqs.astype(np.uint16))  # fmt: skip
+
+
+def load_chunk(path: str) -> tuple[str, np.ndarray, StreamLayout, np.ndarray]:
+    """A chunk saved by ``save_chunk``."""
+    z = np.load(path, allow_pickle=False)
+    return str(z["name"]), z["symbols"], StreamLayout(z["offsets"], z["table_ids"]), z["freqs"].astype(np.uint32)
+
+
 def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, *, reps: int, torchac_symbols: int,
-            cuda: bool, out: TextIO | None) -> None:  # fmt: skip
+            cuda: bool, out: TextIO | None, cpu_threads: list[int]) -> None:  # fmt: skip
     """Time every coder on one chunk and print its JSON lines."""
     from cachegen_core.coders.native import NativeCoder, available  # noqa: PLC0415
 
     entropy = cross_entropy_bits(symbols, layout, freqs) / layout.n_symbols
     base: dict[str, Any] = {"data": data, "substreams": layout.n_streams, "tables": int(freqs.shape[0])}
     speed = {"encode": None, "decode": None}
-    ref = torchac_lines(symbols, layout, freqs, torchac_symbols)
+    ref = torchac_lines(symbols, layout, freqs, torchac_symbols) if torchac_symbols else []
     for line in ref:
         speed[line["op"]] = line["msym_per_s"]
         emit({**base, **line}, out)
@@ -135,8 +151,8 @@ def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndar
               "msym_per_s": round(rate, 1), "bits_per_symbol": round(bps, 4), "entropy_bits_per_symbol": round(entropy, 4),
               **x, **extra}, out)  # fmt: skip
 
-    payloads: list[bytes] = []
-    for threads in sorted({1, 2, os.cpu_count() or 1}):
+    payloads: list[bytes] = NativeCoder().encode(symbols, layout, freqs) if not cpu_threads else []
+    for threads in cpu_threads:
         coder = NativeCoder(threads=threads)
         coder.tables(freqs)  # table conversion is once per profile, not per chunk: keep it out of the timing
         t_enc, payloads = best_time(lambda: coder.encode(symbols, layout, freqs), reps)
@@ -197,6 +213,18 @@ def torchac_lines(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, 
              "entropy_bits_per_symbol": round(ent, 4)} for op, t in (("encode", t_enc), ("decode", t_dec))]  # fmt: skip
 
 
+def chunks(args: argparse.Namespace) -> Iterator[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
+    """The chunks to measure: saved files, or the 7B-shaped synthetic chunk and the real ones."""
+    if args.npz:
+        yield from (load_chunk(f) for f in args.npz)
+        return
+    if not args.no_7b:
+        tokens = 480 if args.quick else args.tokens
+        yield (f"7b-laplace-{tokens}tok", *synthetic_7b(tokens))
+    if not args.no_real:
+        yield from real_chunks(args.model, args.level, args.tokens)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="7B chunk of 480 tokens, fewer repetitions (< 2 minutes)")
@@ -205,23 +233,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=1536)
     ap.add_argument("--no-real", action="store_true", help="skip the reference model's chunk")
     ap.add_argument("--no-7b", action="store_true", help="skip the 7B-shaped synthetic chunk")
+    ap.add_argument("--no-torchac", action="store_true", help="skip the torchac baseline")
     ap.add_argument("--no-cuda", action="store_true")
+    ap.add_argument("--cpu-threads", default=None, help="comma-separated CPU thread counts (default 1,2,all; '' for none)")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    ap.add_argument("--save-chunks", default=None, metavar="DIR", help="also save every chunk's coder inputs here")
+    ap.add_argument("--npz", nargs="+", default=[], metavar="FILE", help="measure saved chunks instead of making them")
     args = ap.parse_args(argv)
     reps = 2 if args.quick else 5
-    torchac_symbols = 300_000 if args.quick else 2_000_000
+    torchac_symbols = 0 if args.no_torchac else 300_000 if args.quick else 2_000_000
     out = open(args.out, "a") if args.out else None
+    if args.cpu_threads is None:
+        cpu_threads = sorted({1, 2, os.cpu_count() or 1})
+    else:
+        cpu_threads = [int(t) for t in args.cpu_threads.split(",") if t.strip()]
+    opts = {"reps": reps, "torchac_symbols": torchac_symbols, "cuda": not args.no_cuda, "out": out, "cpu_threads": cpu_threads}
     try:
-        if not args.no_7b:
-            tokens = 480 if args.quick else args.tokens
-            sym, layout, freqs = synthetic_7b(tokens)
-            measure(f"7b-laplace-{tokens}tok", sym, layout, freqs, reps=reps, torchac_symbols=torchac_symbols,
-                    cuda=not args.no_cuda, out=out)  # fmt: skip
+        for name, sym, layout, freqs in chunks(args):
+            if args.save_chunks:
+                save_chunk(args.save_chunks, name, sym, layout, freqs)
+            measure(name, sym, layout, freqs, **opts)
             del sym, layout, freqs
             gc.collect()
-        if not args.no_real:
-            for name, sym, layout, freqs in real_chunks(args.model, args.level, args.tokens):
-                measure(name, sym, layout, freqs, reps=reps, torchac_symbols=torchac_symbols, cuda=not args.no_cuda, out=out)
     finally:
         if out:
             out.close()

@@ -1,6 +1,6 @@
 // CUDA decoder for the interleaved-rANS substreams of rans_core.h (same bytes, same symbols
-// as the CPU decoder). Each half-warp decodes one substream: thread k < CG_LANES of the
-// half runs lane k, decoding symbols j = k, k + CG_LANES, ... Within a round the lanes that
+// as the CPU decoder). Each half-warp decodes one substream: thread k of the half runs
+// lane k, decoding symbols j = k, k + CG_LANES, ... Within a round the lanes that
 // must renormalise read consecutive u16 words in lane order (ballot + popc), exactly as the
 // serial CPU decoder does. Substreams are taken in the order given by `order` (the host
 // sorts them longest first, so the two halves of a warp get similar lengths).
@@ -30,6 +30,7 @@ __global__ void cg_decode_kernel(const uint8_t* __restrict__ in, const int64_t* 
     uint8_t* dst = out + (has ? sym_off[s] : 0);
     const int32_t* tids = table_ids + (int64_t)s * period;
     const uint32_t shift = CG_PREC - (uint32_t)lut_bits;
+    const int64_t lut_stride = cg_lut_stride(lut_bits);
 
     int err = CG_OK;
     bool live = has && n > 0 && len >= CG_STATE_BYTES;
@@ -42,20 +43,19 @@ __global__ void cg_decode_kernel(const uint8_t* __restrict__ in, const int64_t* 
         live = false;
     }
     const bool started = live;
-    int64_t pos = CG_STATE_BYTES, base = 0;
-    int32_t t = 0;  // table index of this round's first symbol
+    int64_t pos = CG_STATE_BYTES, j = k;  // j: this lane's symbol in the current round
+    int32_t tk = k % period;              // table index of symbol j
+    int64_t id = live ? __ldg(tids + tk) : 0;  // its table, loaded a round ahead
     while (__any_sync(CG_FULL_MASK, live)) {
         bool need = false;
-        if (live && base + k < n) {
-            int32_t tk = t + k;
-            if (tk >= period) {
-                tk -= period;
-                if (tk >= period) tk %= period;  // only when period < CG_LANES
-            }
-            const int64_t id = __ldg(tids + tk);
-            dst[base + k] = (uint8_t)cg_dec_step(&x, info + id * alphabet, lut + (id << lut_bits), shift);
+        if (live && j < n) {
+            const uint32_t sym = cg_dec_step(&x, info + id * alphabet, lut + id * lut_stride, shift);
+            dst[j] = (uint8_t)sym;
             need = x < CG_RANS_L;
         }
+        tk += CG_LANES;
+        if (tk >= period) tk = tk - period < period ? tk - period : tk % period;
+        if (live && j + CG_LANES < n) id = __ldg(tids + tk);
         const unsigned words = (__ballot_sync(CG_FULL_MASK, need) >> half_shift) & 0xffffu;
         if (live) {
             const int64_t mine = pos + 2 * __popc(words & ((1u << k) - 1));
@@ -65,10 +65,8 @@ __global__ void cg_decode_kernel(const uint8_t* __restrict__ in, const int64_t* 
                 live = false;
             } else {
                 if (need) x = (x << 16) | cg_load_u16(src + mine);
-                base += CG_LANES;
-                t += CG_LANES;
-                if (t >= period) t %= period;
-                live = base < n;
+                j += CG_LANES;
+                live = j - k < n;
             }
         }
     }
@@ -81,7 +79,7 @@ __global__ void cg_decode_kernel(const uint8_t* __restrict__ in, const int64_t* 
 }
 
 // Launch the decoder on `stream` (a cudaStream_t); every pointer is a device pointer.
-// Returns the launch's cudaError_t (0 on success); per-stream results land in status.
+// Returns the launch's cudaError_t (0 on success); per-substream results land in status.
 extern "C" int cg_cuda_decode(const uint8_t* in, const int64_t* in_off, int32_t n_streams, const int64_t* sym_off,
                               const int32_t* table_ids, int32_t period, const uint32_t* info, const uint8_t* lut,
                               int32_t lut_bits, int32_t alphabet, const int32_t* order, uint8_t* out,

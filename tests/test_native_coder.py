@@ -109,7 +109,7 @@ def test_byte_format_is_frozen():
     assert hashlib.sha256(b"".join(payloads)).hexdigest() == "afb7467343335db7c76eca6942a3b78ad1a296a59383384c5ebd75b3f5c2d81d"
 
 
-@pytest.mark.parametrize("n_tables", [3, 2000])  # both slot-lookup resolutions (12 and 8 bits)
+@pytest.mark.parametrize("n_tables", [3, 20_000])  # two slot-lookup resolutions (12 and 10 bits)
 def test_size_within_half_a_percent_of_entropy(n_tables):
     rng = np.random.default_rng(2)
     freqs = tables(rng, n_tables, 256, 0.3)
@@ -118,6 +118,23 @@ def test_size_within_half_a_percent_of_entropy(n_tables):
     payloads = round_trip(NativeCoder(), sym, layout, freqs)
     coded = 8 * sum(map(len, payloads))
     assert coded <= cross_entropy_bits(sym, layout, freqs) * 1.005
+
+
+@pytest.mark.parametrize("lut_bits", [1, 4, 8, 12, 16])
+def test_every_slot_lookup_resolution_decodes_the_same(lut_bits, monkeypatch):
+    """The decoder's slot lookup (a decoder-side choice, not part of the format) at any resolution."""
+    from cachegen_core.coders import native
+
+    rng = np.random.default_rng(lut_bits)
+    freqs = np.concatenate([tables(rng, 3, 256, 0.05, near_zero=True), tables(rng, 3, 256, 5.0)])
+    layout = layout_of([4000, 3000], rng.integers(0, 6, (2, 11)))
+    sym = sample(rng, freqs, layout)
+    sym[::13] = rng.integers(0, 256, sym[::13].size)  # plenty of rare symbols: long bisections
+    payloads = NativeCoder().encode(sym, layout, freqs)
+    monkeypatch.setattr(native, "lut_bits_for", lambda n: lut_bits)
+    monkeypatch.setattr(native, "_TABLES", native._TableCache())
+    assert NativeCoder().tables(freqs).lut_bits == lut_bits
+    assert np.array_equal(NativeCoder().decode(payloads, layout, freqs), sym)
 
 
 def test_threads_give_identical_bytes_and_symbols():
@@ -180,7 +197,7 @@ def test_library_checks_raw_arguments():
         err = lib.cg_decode(p(buf), p(in_off), 1, p(sym_off), p(tids), 1, p(t.info), p(t.lut), t.lut_bits, 1, 4, p(out), p(status), 1)
         assert err == -7
     bad = np.array([[0, 1, 2, 3]], np.uint32)
-    info, lut = np.zeros((1, 4), np.uint32), np.zeros((1, 256), np.uint8)
+    info, lut = np.zeros((1, 4), np.uint32), np.zeros((1, 257), np.uint8)
     assert lib.cg_build_tables(p(bad), 1, 4, 8, p(info), p(lut)) == -8
 
 

@@ -137,7 +137,7 @@ class CoderTables:
     """A table set in the coder's own form: ``info`` (start | freq << 16) and the decoder's slot lookup."""
 
     info: np.ndarray  # uint32 (n_tables, alphabet)
-    lut: np.ndarray  # uint8 (n_tables, 2**lut_bits)
+    lut: np.ndarray  # uint8 (n_tables, 2**lut_bits + 1)
     lut_bits: int
 
     @property
@@ -149,19 +149,29 @@ class CoderTables:
         return int(self.info.shape[1])
 
 
+LUT_BUDGET_BYTES = 64 << 20
+
+
 def lut_bits_for(n_tables: int) -> int:
-    """Slot-lookup resolution: 12 bits (4 KiB a table) for few tables, 8 bits (256 B) for many."""
-    return 12 if n_tables <= 1024 else 8
+    """CPU slot-lookup resolution: the finest of 12, 10, 8 bits whose lookups fit in 64 MiB.
+
+    Measured on real and 7B-shaped chunks (docs/results.md): finer lookups mean fewer
+    bisection steps, coarser ones fewer cache misses when there are many tables.
+    ``CACHEGEN_LUT_BITS`` overrides (for measurements).
+    """
+    if os.environ.get("CACHEGEN_LUT_BITS"):
+        return int(os.environ["CACHEGEN_LUT_BITS"])
+    return next((b for b in (12, 10) if n_tables << b <= LUT_BUDGET_BYTES), 8)
 
 
-def build_tables(freqs: np.ndarray) -> CoderTables:
-    """Validate ``freqs`` and convert it for the coder (done once per table set; see ``_tables``)."""
+def build_tables(freqs: np.ndarray, lut_bits: int | None = None) -> CoderTables:
+    """Validate ``freqs`` and convert it for the coder (once per table set: see ``_TableCache``)."""
     validate_freqs(freqs)
     freqs = np.ascontiguousarray(freqs)
     n, a = freqs.shape
-    bits = lut_bits_for(n)
+    bits = lut_bits or lut_bits_for(n)
     info = np.empty((n, a), dtype=np.uint32)
-    lut = np.empty((n, 1 << bits), dtype=np.uint8)
+    lut = np.empty((n, (1 << bits) + 1), dtype=np.uint8)
     err = _library().cg_build_tables(_ptr(freqs), n, a, bits, _ptr(info), _ptr(lut))
     if err:
         raise CoderError(f"native table build failed: {_describe(err)}")
