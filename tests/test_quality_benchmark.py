@@ -1,0 +1,61 @@
+"""The quality/size benchmark's scoring and baselines, and the profile command, on a tiny random model."""
+
+import json
+
+import torch
+
+from benchmarks import baselines
+from benchmarks.quality_size import evaluate, names_topic, summarise
+from cachegen_core.cli import main as cli
+from cachegen_core.codec import KVCodec
+from cachegen_core.config import CodecConfig
+from cachegen_core.kv import KVCache
+from cachegen_core.profile import Profile
+from tests.conftest import words
+
+
+def test_scoring_on_a_tiny_model(tiny_llama, tiny_tokenizer):
+    records = [{"prompt": words(1, 400), "label": ["w10 w11"]}]
+    tallies = evaluate(tiny_llama, tiny_tokenizer, records, 96, KVCodec(), continuation_tokens=64, chunk_tokens=64,
+                       task=True, zstd_level=3, progress=False)  # fmt: skip
+    rows = {(r["method"], r["level"]): r for r in summarise(tallies, 96)}
+    fp16 = rows[("fp16", None)]
+    assert fp16["ppl_rel_delta"] == 0 and fp16["top1_agreement"] == 1.0 and fp16["bits_per_element"] == 16
+    assert {m for m, _ in rows} == {"fp16", "cachegen", "uniform8", "uniform4", "kivi2", "zstd"}
+    assert all(r["bits_per_element"] > 0 and r["n_contexts"] == 1 for r in rows.values())
+    assert rows[("uniform8", None)]["bits_per_element"] < 16 and rows[("kivi2", None)]["bits_per_element"] < 4
+    assert rows[("zstd", None)]["ppl_rel_delta"] == 0  # lossless
+
+
+def test_uniform8_error_within_half_a_step(tiny_kv):
+    out, nbytes = baselines.uniform(tiny_kv, 8)
+    for x, y in ((tiny_kv.keys, out.keys), (tiny_kv.values, out.values)):
+        t = x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
+        step = (t.amax(-1) - t.amin(-1)) / 255
+        err = (x - y).abs().permute(0, 2, 1, 3).reshape_as(t).amax(-1)
+        assert (err <= step / 2 * 1.01 + 1e-6).all()
+    assert nbytes == tiny_kv.num_elements + 4 * 2 * tiny_kv.num_layers * tiny_kv.num_tokens
+
+
+def test_names_topic():
+    assert names_topic("We talked about the role of art in society.", "The role of art in society")
+    assert not names_topic("Mindfulness.", "The role of art in society")
+
+
+def test_profile_command_writes_a_profile_the_codec_uses(tiny_llama, tiny_tokenizer, tmp_path):
+    model_dir = tmp_path / "tiny"
+    tiny_llama.save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"text": words(i, 500)}) + "\n" for i in range(4)))
+    out = tmp_path / "p.safetensors"
+    assert cli(["profile", "--model", str(model_dir), "--texts", str(texts), "--field", "text", "--last", "4",
+                "--chunk-tokens", "128", "--out", str(out)]) == 0  # fmt: skip
+    profile = Profile.load(out)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        kv = KVCache.from_dynamic_cache(tiny_llama(torch.randint(7, 128, (1, 128)), use_cache=True).past_key_values)
+    with_p, without = KVCodec(CodecConfig(), profile), KVCodec(CodecConfig())
+    blob = with_p.encode(kv)
+    assert len(blob) < len(without.encode(kv))
+    assert torch.equal(with_p.decode(blob).keys, without.decode(without.encode(kv)).keys)
