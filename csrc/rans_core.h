@@ -26,10 +26,9 @@
 //
 // Tables in memory (built once per table set by cg_build_tables, never per symbol):
 //   info[t * alphabet + s] = start(s) | freq(s) << 16      (u32; start, freq < 2^16)
-//   lut[t * (2^lut_bits + 1) + b] = the symbol that holds slot b << (16 - lut_bits), for
-//                                    b < 2^lut_bits; entry 2^lut_bits = alphabet - 1  (u8)
+//   lut[t << lut_bits | b]  = the symbol that holds slot b << (16 - lut_bits)   (u8)
 // The decoder finds a symbol with two adjacent lut reads and, when the lut bucket holds
-// several symbols, a bisection over info (see cg_lookup; measured in the issue-7 report).
+// several symbols, a bisection over info (see cg_lookup).
 #pragma once
 #include <stdint.h>
 
@@ -74,12 +73,13 @@ CG_HD void cg_store_u32(uint8_t* p, uint32_t w) {
 }
 
 // The symbol holding `slot` in one table, and its info entry in *e. lut[b] and lut[b + 1]
-// bound the symbol (the table's lut has 2^lut_bits + 1 entries, the last = alphabet - 1);
-// a bucket holding several symbols is searched by bisection: at most 8 steps, so one
-// lane that lands among many rare symbols never stalls its warp for long.
-CG_HD uint32_t cg_lookup(const uint32_t* info, const uint8_t* lut, uint32_t lut_shift, uint32_t slot, uint32_t* e) {
+// (or the last symbol, for the last bucket) bound the symbol; a bucket holding several
+// symbols is searched by bisection: at most 8 steps, so a lane that lands among many
+// rare symbols never stalls its warp for long (a forward scan did, measured on an H100).
+CG_HD uint32_t cg_lookup(const uint32_t* info, const uint8_t* lut, uint32_t lut_shift, uint32_t last, uint32_t slot,
+                         uint32_t* e) {
     const uint32_t b = slot >> lut_shift;
-    uint32_t lo = lut[b], hi = lut[b + 1];
+    uint32_t lo = lut[b], hi = b < (0xffffu >> lut_shift) ? lut[b + 1] : last;
     while (lo < hi) {
         const uint32_t mid = (lo + hi + 1) >> 1;
         if ((info[mid] & 0xffffu) <= slot) lo = mid;
@@ -90,10 +90,11 @@ CG_HD uint32_t cg_lookup(const uint32_t* info, const uint8_t* lut, uint32_t lut_
 }
 
 // Decoder step without renormalisation: the symbol, and the state updated in place.
-CG_HD uint32_t cg_dec_step(uint32_t* x, const uint32_t* info, const uint8_t* lut, uint32_t lut_shift) {
+// `last` is alphabet - 1.
+CG_HD uint32_t cg_dec_step(uint32_t* x, const uint32_t* info, const uint8_t* lut, uint32_t lut_shift, uint32_t last) {
     const uint32_t slot = *x & ((1u << CG_PREC) - 1);
     uint32_t e;
-    const uint32_t s = cg_lookup(info, lut, lut_shift, slot, &e);
+    const uint32_t s = cg_lookup(info, lut, lut_shift, last, slot, &e);
     *x = (e >> 16) * (*x >> CG_PREC) + slot - (e & 0xffffu);
     return s;
 }
@@ -107,9 +108,6 @@ CG_HD void cg_enc_step(uint32_t* x, uint32_t e) {
     *x = ((*x / freq) << CG_PREC) + (*x % freq) + (e & 0xffffu);
 }
 
-// Entries of one table's lut.
-CG_HD int64_t cg_lut_stride(int32_t lut_bits) { return ((int64_t)1 << lut_bits) + 1; }
-
 // Build info and lut for n_tables rows of freqs (uint32, alphabet per row). Host only.
 // Returns CG_ERR_TABLE unless every entry is >= 1 and every row sums to 2^16.
 static inline int cg_build_tables_impl(const uint32_t* freqs, int32_t n_tables, int32_t alphabet, int32_t lut_bits,
@@ -119,7 +117,7 @@ static inline int cg_build_tables_impl(const uint32_t* freqs, int32_t n_tables, 
     for (int64_t t = 0; t < n_tables; ++t) {
         const uint32_t* f = freqs + t * alphabet;
         uint32_t* in = info + t * alphabet;
-        uint8_t* lt = lut + t * cg_lut_stride(lut_bits);
+        uint8_t* lt = lut + (t << lut_bits);
         uint32_t start = 0, b = 0;
         for (int32_t s = 0; s < alphabet; ++s) {
             if (f[s] < 1 || f[s] >= (1u << CG_PREC) || start + f[s] > (1u << CG_PREC)) return CG_ERR_TABLE;
@@ -128,7 +126,6 @@ static inline int cg_build_tables_impl(const uint32_t* freqs, int32_t n_tables, 
             for (; b < (1u << lut_bits) && (b << shift) < start; ++b) lt[b] = (uint8_t)s;
         }
         if (start != (1u << CG_PREC)) return CG_ERR_TABLE;
-        lt[1u << lut_bits] = (uint8_t)(alphabet - 1);
     }
     return CG_OK;
 }

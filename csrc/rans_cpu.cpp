@@ -14,7 +14,7 @@ namespace {
 
 struct Tables {
     const uint32_t* info;  // n_tables x alphabet
-    const uint8_t* lut;    // n_tables x (2^lut_bits + 1) (decoder only)
+    const uint8_t* lut;    // n_tables x 2^lut_bits (decoder only)
     int32_t alphabet;
     int32_t lut_bits;
 };
@@ -92,14 +92,14 @@ int decode_stream(const uint8_t* in, int64_t len, int64_t n, const int32_t* ids,
     const uint8_t* pos = in + CG_STATE_BYTES;
     const uint8_t* const end = in + len;
     const uint32_t shift = CG_PREC - (uint32_t)T.lut_bits;
-    const int64_t lut_stride = cg_lut_stride(T.lut_bits);
+    const uint32_t last = (uint32_t)T.alphabet - 1;
     int32_t t = 0;
     int64_t j = 0;
     for (; j + CG_LANES <= n; j += CG_LANES) {
 #pragma GCC unroll 16
         for (int k = 0; k < CG_LANES; ++k) {
             const int64_t id = ids[t + k];
-            out[j + k] = (uint8_t)cg_dec_step(&x[k], T.info + id * T.alphabet, T.lut + id * lut_stride, shift);
+            out[j + k] = (uint8_t)cg_dec_step(&x[k], T.info + id * T.alphabet, T.lut + (id << T.lut_bits), shift, last);
         }
         if (end - pos >= 2 * CG_LANES) {  // room for every lane: branch-free renormalisation
 #pragma GCC unroll 16
@@ -123,7 +123,7 @@ int decode_stream(const uint8_t* in, int64_t len, int64_t n, const int32_t* ids,
     const int rest = (int)(n - j);
     for (int k = 0; k < rest; ++k) {
         const int64_t id = ids[t + k];
-        out[j + k] = (uint8_t)cg_dec_step(&x[k], T.info + id * T.alphabet, T.lut + id * lut_stride, shift);
+        out[j + k] = (uint8_t)cg_dec_step(&x[k], T.info + id * T.alphabet, T.lut + (id << T.lut_bits), shift, last);
     }
     for (int k = 0; k < rest; ++k) {
         if (x[k] < CG_RANS_L) {
@@ -194,7 +194,7 @@ CG_EXPORT int32_t cg_lanes(void) { return CG_LANES; }
 // Bytes a substream of n symbols may need at most (one word per symbol plus the states).
 CG_EXPORT int64_t cg_encode_bound(int64_t n) { return n <= 0 ? 0 : 2 * n + CG_STATE_BYTES; }
 
-// Fill info (n_tables x alphabet) and lut (n_tables x (2^lut_bits + 1)) from freqs; see rans_core.h.
+// Fill info (n_tables x alphabet) and lut (n_tables x 2^lut_bits) from freqs; see rans_core.h.
 CG_EXPORT int cg_build_tables(const uint32_t* freqs, int32_t n_tables, int32_t alphabet, int32_t lut_bits, uint32_t* info,
                     uint8_t* lut) {
     return cg_build_tables_impl(freqs, n_tables, alphabet, lut_bits, info, lut);

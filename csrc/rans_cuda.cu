@@ -30,7 +30,7 @@ __global__ void cg_decode_kernel(const uint8_t* __restrict__ in, const int64_t* 
     uint8_t* dst = out + (has ? sym_off[s] : 0);
     const int32_t* tids = table_ids + (int64_t)s * period;
     const uint32_t shift = CG_PREC - (uint32_t)lut_bits;
-    const int64_t lut_stride = cg_lut_stride(lut_bits);
+    const uint32_t last = (uint32_t)alphabet - 1;
 
     int err = CG_OK;
     bool live = has && n > 0 && len >= CG_STATE_BYTES;
@@ -49,7 +49,7 @@ __global__ void cg_decode_kernel(const uint8_t* __restrict__ in, const int64_t* 
     while (__any_sync(CG_FULL_MASK, live)) {
         bool need = false;
         if (live && j < n) {
-            const uint32_t sym = cg_dec_step(&x, info + id * alphabet, lut + id * lut_stride, shift);
+            const uint32_t sym = cg_dec_step(&x, info + id * alphabet, lut + (id << lut_bits), shift, last);
             dst[j] = (uint8_t)sym;
             need = x < CG_RANS_L;
         }

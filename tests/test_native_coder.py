@@ -197,7 +197,7 @@ def test_library_checks_raw_arguments():
         err = lib.cg_decode(p(buf), p(in_off), 1, p(sym_off), p(tids), 1, p(t.info), p(t.lut), t.lut_bits, 1, 4, p(out), p(status), 1)
         assert err == -7
     bad = np.array([[0, 1, 2, 3]], np.uint32)
-    info, lut = np.zeros((1, 4), np.uint32), np.zeros((1, 257), np.uint8)
+    info, lut = np.zeros((1, 4), np.uint32), np.zeros((1, 256), np.uint8)
     assert lib.cg_build_tables(p(bad), 1, 4, 8, p(info), p(lut)) == -8
 
 

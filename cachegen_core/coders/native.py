@@ -137,7 +137,7 @@ class CoderTables:
     """A table set in the coder's own form: ``info`` (start | freq << 16) and the decoder's slot lookup."""
 
     info: np.ndarray  # uint32 (n_tables, alphabet)
-    lut: np.ndarray  # uint8 (n_tables, 2**lut_bits + 1)
+    lut: np.ndarray  # uint8 (n_tables, 2**lut_bits)
     lut_bits: int
 
     @property
@@ -171,7 +171,7 @@ def build_tables(freqs: np.ndarray, lut_bits: int | None = None) -> CoderTables:
     n, a = freqs.shape
     bits = lut_bits or lut_bits_for(n)
     info = np.empty((n, a), dtype=np.uint32)
-    lut = np.empty((n, (1 << bits) + 1), dtype=np.uint8)
+    lut = np.empty((n, 1 << bits), dtype=np.uint8)
     err = _library().cg_build_tables(_ptr(freqs), n, a, bits, _ptr(info), _ptr(lut))
     if err:
         raise CoderError(f"native table build failed: {_describe(err)}")
