@@ -107,16 +107,21 @@ class _StoreWorker:
         self.dropped = 0
         self.failed = 0
         self.written = 0
+        self._full = False  # dropping chunks since the queue last had room (logged once)
         self._thread = threading.Thread(target=self._run, name="cachegen-store", daemon=True)
         self._thread.start()
 
     def submit(self, chunk: Chunk, kv: KVCache) -> bool:
         try:
             self.queue.put_nowait((chunk, kv))
+            self._full = False
             return True
         except queue.Full:
             self.dropped += 1
-            log.warning("store queue full (%d chunks): chunk %s not stored", self.queue.maxsize, chunk.key[:12])
+            if not self._full:  # once per overload, not per dropped chunk
+                log.warning("store queue full (%d chunks): chunk %s not stored (further drops counted in "
+                            "store_stats, not logged, until it drains)", self.queue.maxsize, chunk.key[:12])  # fmt: skip
+            self._full = True
             return False
 
     def _run(self) -> None:
@@ -129,7 +134,11 @@ class _StoreWorker:
                 self._engine._store_chunk(chunk, kv)
                 self.written += 1
             except ReferenceError:
+                lost = 1 + self.queue.qsize()
+                log.warning("the KVEngine was garbage-collected with %d KV chunk(s) not stored (call flush() first)", lost)
                 return
+            except StoreError:  # the engine logs a failing store once, not per chunk
+                self.failed += 1
             except Exception as e:  # a failed write is reported, never raised into a request
                 self.failed += 1
                 log.warning("storing chunk failed: %s", e)
@@ -298,7 +307,7 @@ class KVEngine:
             t1 = time.perf_counter()
             if blob is None:
                 raise StoreError(f"chunk {key[:12]} at level {level} is not in the store")
-            parts.append(self.codec.decode(blob))
+            parts.append(self._check_fits_model(self.codec.decode(blob), f"chunk {key[:12]}"))
             if info is not None:
                 info.fetch_s += t1 - t0
                 info.decode_s += time.perf_counter() - t1
@@ -345,8 +354,9 @@ class KVEngine:
                 if not self.store.contains(blob_key(c.key, self.level)):
                     break
             except StoreError as e:
-                self._report(info, f"store failure, recomputing from chunk {c.index}: {e}")
+                self._store_trouble(info, f"store failure, recomputing from chunk {c.index}: {e}")
                 break
+            self._store_recovered()
             run.append(c)
         return run
 
@@ -384,7 +394,7 @@ class KVEngine:
 
         def decode(blob: bytes, i: int, parts: list[KVCache]) -> KVCache:
             t = time.perf_counter()
-            kv = self.codec.decode(blob)
+            kv = self._check_fits_model(self.codec.decode(blob), f"chunk {i}")
             if kv.num_tokens != run[i].num_tokens:
                 raise CacheGenFormatError(f"chunk {i} decoded to {kv.num_tokens} tokens, expected {run[i].num_tokens}")
             level = self._level_of(blob)
@@ -413,7 +423,10 @@ class KVEngine:
             )
         except StreamFailure as f:
             kind = "bad blob" if isinstance(f.cause, CacheGenFormatError) else "store failure"
-            if not (isinstance(f.cause, StoreError) and "not in the store" in str(f.cause)):
+            if isinstance(f.cause, StoreError):
+                if "not in the store" not in str(f.cause):
+                    self._store_trouble(info, f"{kind} for chunk {f.index}, recomputing from there: {f.cause}")
+            else:
                 self._report(info, f"{kind} for chunk {f.index}, recomputing from there: {f.cause}")
             res = f.partial
         for tr in res.trace:
@@ -424,6 +437,20 @@ class KVEngine:
             info.decode_s += tr.decode_s
             info.text_chunks += tr.option == TEXT
         return res.parts
+
+    def _check_fits_model(self, kv: KVCache, what: str) -> KVCache:
+        """``kv`` if its layers, KV heads and head size are the model's, else ``CacheGenFormatError``.
+
+        A blob's checksums and fingerprint say nothing of a forged, well-formed blob of
+        another shape; used as is it would crash the concatenation or the model."""
+        cfg = self.model.config
+        text_cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+        heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
+        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
+        want = (text_cfg.num_hidden_layers, heads, head_dim)
+        if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != want:
+            raise CacheGenFormatError(f"{what} decoded to KV of shape {kv.shape}, the model's is (layers, kv heads, head dim) = {want}")
+        return kv
 
     @staticmethod
     def _observe(table: dict[int, float], key: int, value: float, weight: float = 0.3) -> None:
@@ -504,6 +531,18 @@ class KVEngine:
         info.errors.append(msg)
         log.warning(msg)
 
+    def _store_trouble(self, info: GenerationInfo, msg: str) -> None:
+        """A store failure: in the request's errors always, in the log once until the store recovers."""
+        info.errors.append(msg)
+        if not self._store_failing:
+            log.warning("%s (further store failures not logged until it recovers)", msg)
+        self._store_failing = True
+
+    def _store_recovered(self) -> None:
+        if self._store_failing:
+            self._store_failing = False
+            log.info("store is reachable again")
+
     def _generate_ids(
         self,
         ids: list[int],
@@ -583,6 +622,8 @@ class KVEngine:
             try:
                 self._store_chunk(chunk, kv)
                 info.chunks_queued += 1
+            except StoreError as e:  # logged once by _store_chunk, not per chunk
+                info.errors.append(f"storing chunk {chunk.index} failed: {e}")
             except CacheGenError as e:
                 self._report(info, f"storing chunk {chunk.index} failed: {e}")
         elif self._worker.submit(chunk, kv):
