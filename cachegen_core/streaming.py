@@ -1,34 +1,55 @@
 """Streaming KV chunks under a deadline: bandwidth estimation, per-chunk choice of level or text.
 
-Every chunk is stored at several levels. For each chunk still to come, the controller
-picks the best-quality option (level 0 first, then coarser levels, then ``"text"``:
-send the tokens and let the model prefill them) whose predicted finish still meets the
-SLO, assuming the bandwidth estimate holds for the rest of the stream and the rest is
-sent at the same option (the rule of the CacheGen paper: it never spends the budget of
-later chunks on this one), keeping a margin (``safety``) of the time left for drops
-the estimate has not seen yet. The first chunk, before any measurement, uses the medium
-level; with no SLO, the best level. If no option can meet the SLO, the one predicted to
-finish first. Plain functions over plain data: no model, no store.
+Every chunk is stored at several levels (0 = best quality, higher = smaller). Before each
+chunk the controller (:func:`choose`) picks an option: a level, or ``"text"`` (send the
+tokens and let the model prefill them on top of the KV already decoded; the last resort
+in quality, its cost is compute, not bytes). Plain functions over plain data: no model,
+no store.
 
-``stream`` runs the choice chunk by chunk and overlaps the fetch of chunk i+1 with the
-decode of chunk i (one fetch thread), measuring each fetch to update the estimator.
+Decision rule, after the CacheGen paper (SIGCOMM'24, section 5.3): try the options in
+quality order (levels ascending, then text) and take the first whose predicted finish
+*if every remaining chunk were sent at that same option* fits the SLO, the estimated
+bandwidth holding for the rest of the stream. Why "the rest at the same option" rather
+than "this chunk at the candidate, the rest at whatever still fits": the latter spends the
+budget of later chunks on this one, so any estimate error lands on the last chunks with
+no slack left; the same-option rule keeps the slack, and because it re-plans before every
+chunk, time saved early is spent later (quality rises towards the end of the stream). It is
+also self-consistent: if the estimate holds, the option chosen now stays feasible for the
+next chunk, so the plan never corners itself into a predicted miss.
+
+The prediction is a two-stage pipeline, as :func:`stream_chunks` runs it: the link fetches
+chunks back to back, the compute stage decodes chunk k once it has arrived and chunk k-1 is
+done (``busy_s``: compute already committed, the chunk being decoded now); text needs no
+link and costs ``tokens * prefill_s_per_token``. Each chunk stands for ``n_requests`` like
+chunks of a batch sharing the link and the GPU, so every cost scales with it. The plan must
+fit in ``safety`` of the time left, a margin for drops the estimate has not seen. With no
+option fitting, the one predicted to finish first (which meets the SLO if any option does).
+The first chunk, before any measurement, uses the medium level; with no SLO, the best level.
+
+:func:`stream_chunks` runs the choice chunk by chunk, fetching chunk i+1 in a worker thread
+while chunk i decodes on the caller's thread, and feeds each measured fetch to the
+estimator; :func:`stream_batch` streams several requests' chunks as one stream, each
+distinct chunk fetched and decoded once.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Generic, Hashable, Literal, Mapping, Protocol, Sequence, TypeVar, Union
+from dataclasses import asdict, dataclass
+from typing import Generic, Literal, Protocol, TypeVar
 
 TEXT: Literal["text"] = "text"
-Option = Union[int, Literal["text"]]
+Option = int | Literal["text"]
+C = TypeVar("C", bound=Hashable)
 T = TypeVar("T")
 
 
+# ------------------------------------------------------------------ estimators
 class Estimator(Protocol):
-    """Bandwidth estimate (bytes/s) from measured chunk fetches."""
+    """Bandwidth estimate (bytes/s) from measured chunk fetches; ``None`` before any."""
 
     def update(self, nbytes: int, seconds: float) -> None: ...
 
@@ -36,9 +57,15 @@ class Estimator(Protocol):
 
 
 class HarmonicMeanEstimator:
-    """Harmonic mean of the last ``window`` throughput samples: one fast sample barely moves it."""
+    """Harmonic mean of the last ``window`` throughput samples.
+
+    Dominated by the slow samples, so one fast sample (a small blob served from a warm
+    buffer) barely moves it, while a drop shows at once: the safe side for a deadline.
+    """
 
     def __init__(self, window: int = 20) -> None:
+        if window < 1:
+            raise ValueError("window must be >= 1")
         self.samples: deque[float] = deque(maxlen=window)
 
     def update(self, nbytes: int, seconds: float) -> None:
@@ -52,7 +79,7 @@ class HarmonicMeanEstimator:
 
 
 class LastSampleEstimator:
-    """The original paper's estimator: the throughput of the last chunk."""
+    """The original paper's estimator: the throughput of the last fetch."""
 
     def __init__(self) -> None:
         self.last: float | None = None
@@ -68,14 +95,15 @@ class LastSampleEstimator:
 ESTIMATORS: dict[str, Callable[[], Estimator]] = {"harmonic": HarmonicMeanEstimator, "last": LastSampleEstimator}
 
 
-def make_estimator(name: str) -> Estimator:
-    """``"harmonic"`` (default) or ``"last"``."""
+def make_estimator(name: str = "harmonic") -> Estimator:
+    """A fresh estimator by name: ``"harmonic"`` (default) or ``"last"``."""
     try:
         return ESTIMATORS[name]()
     except KeyError:
         raise ValueError(f"unknown estimator {name!r}; choose from {sorted(ESTIMATORS)}") from None
 
 
+# ------------------------------------------------------------------ the controller
 @dataclass(frozen=True)
 class ChunkCost:
     """What one chunk costs per option: bytes and decode seconds per level, tokens for text."""
@@ -87,7 +115,12 @@ class ChunkCost:
 
 @dataclass(frozen=True)
 class Decision:
-    """The option chosen for the next chunk, the estimate it used and the finish it predicts."""
+    """The option chosen for the next chunk, the estimate (bytes/s) it used, the finish it predicts.
+
+    ``predicted_finish_s`` counts from the start of the stream; ``None`` when there was
+    nothing to predict with (no estimate yet). ``feasible``: the prediction fits the SLO's
+    budget (True too when there is no SLO or no estimate: nothing to check).
+    """
 
     option: Option
     estimate_bps: float | None
@@ -95,12 +128,36 @@ class Decision:
     feasible: bool
 
 
-def option_seconds(cost: ChunkCost, option: Option, bandwidth: float, prefill_s_per_token: float, n_requests: int = 1) -> float:
-    """Predicted seconds for one chunk: transfer (shared by ``n_requests``) and decode, or prefill for text."""
+def compute_seconds(cost: ChunkCost, option: Option, prefill_s_per_token: float, n_requests: int = 1) -> float:
+    """Expected decode seconds of one chunk at a level, or prefill seconds for text."""
     if option == TEXT:
         return n_requests * cost.tokens * prefill_s_per_token
-    transfer = n_requests * cost.sizes[option] / bandwidth
-    return max(transfer, cost.decode_s.get(option, 0.0))  # decode of one chunk overlaps the next fetch
+    return n_requests * cost.decode_s.get(option, 0.0)
+
+
+def predict_finish(
+    remaining: Sequence[ChunkCost],
+    option: Option,
+    *,
+    elapsed_s: float,
+    bandwidth: float,
+    prefill_s_per_token: float,
+    n_requests: int = 1,
+    busy_s: float = 0.0,
+) -> float:
+    """When (seconds from the stream's start) every remaining chunk is ready if all go at ``option``.
+
+    Two-stage pipeline: fetches back to back on the link, each decode once its chunk
+    has arrived and the compute stage is free (it is busy for ``busy_s`` from now).
+    """
+    ready = elapsed_s + busy_s
+    if option == TEXT:
+        return ready + sum(compute_seconds(c, TEXT, prefill_s_per_token, n_requests) for c in remaining)
+    arrived = elapsed_s
+    for c in remaining:
+        arrived += n_requests * c.sizes[option] / bandwidth
+        ready = max(ready, arrived) + compute_seconds(c, option, prefill_s_per_token, n_requests)
+    return ready
 
 
 def choose(
@@ -112,66 +169,269 @@ def choose(
     bandwidth: float | None,
     prefill_s_per_token: float,
     n_requests: int = 1,
+    busy_s: float = 0.0,
     allow_text: bool = True,
     safety: float = 0.85,
 ) -> Decision:
-    """The option for ``remaining[0]`` (see the module docstring for the rule).
+    """The option for ``remaining[0]`` (the rule is in the module docstring).
 
-    ``safety``: the plan must fit in this fraction of the time left, a margin for
-    bandwidth drops the estimate has not seen yet.
+    ``bandwidth``: the estimate in bytes/s (``None`` before any fetch). ``safety``: the
+    plan must fit in this fraction of the time left before ``slo_s``.
     """
     if not remaining:
         raise ValueError("no chunk left to choose for")
-    levels = sorted(levels)
-    if slo_s is None:
-        return Decision(levels[0], bandwidth, None, True)
+    if not levels:
+        raise ValueError("no level to choose from")
+    ordered = sorted(levels)
     if bandwidth is None or bandwidth <= 0:
-        return Decision(levels[len(levels) // 2], bandwidth, None, True)
-    options: list[Option] = [*levels, TEXT] if allow_text else list(levels)
+        option = ordered[0] if slo_s is None else ordered[len(ordered) // 2]
+        return Decision(option, bandwidth, None, True)
+
+    def finish(opt: Option) -> float:
+        return predict_finish(remaining, opt, elapsed_s=elapsed_s, bandwidth=bandwidth, busy_s=busy_s,
+                              prefill_s_per_token=prefill_s_per_token, n_requests=n_requests)  # fmt: skip
+
+    if slo_s is None:
+        return Decision(ordered[0], bandwidth, finish(ordered[0]), True)
     budget = elapsed_s + safety * max(slo_s - elapsed_s, 0.0)
-    best: tuple[float, Option] | None = None
-    for opt in options:
-        finish = elapsed_s + sum(option_seconds(c, opt, bandwidth, prefill_s_per_token, n_requests) for c in remaining)
-        if finish <= budget:
-            return Decision(opt, bandwidth, finish, True)
-        if best is None or finish < best[0]:
-            best = (finish, opt)
-    assert best is not None
-    return Decision(best[1], bandwidth, best[0], False)
+    candidates: list[Option] = [*ordered, TEXT] if allow_text else list(ordered)
+    fastest: tuple[float, Option] | None = None
+    for opt in candidates:
+        f = finish(opt)
+        if f <= budget:
+            return Decision(opt, bandwidth, f, True)
+        if fastest is None or f < fastest[0]:
+            fastest = (f, opt)
+    assert fastest is not None
+    return Decision(fastest[1], bandwidth, fastest[0], False)
 
 
-@dataclass
-class ChunkTrace:
-    """What happened to one streamed chunk (reported in generation info)."""
+@dataclass(frozen=True)
+class Controller:
+    """The controller's settings: stored ``levels``, ``slo_s`` (None: always the best level),
+    the expected prefill seconds per token (the cost of text), whether text is allowed, and
+    the ``safety`` fraction of the time left a plan may use."""
+
+    levels: tuple[int, ...]
+    slo_s: float | None = None
+    prefill_s_per_token: float = 1e-3
+    allow_text: bool = True
+    safety: float = 0.85
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ValueError("no level to choose from")
+        if not 0 < self.safety <= 1:
+            raise ValueError("safety must be in (0, 1]")
+        object.__setattr__(self, "levels", tuple(sorted(self.levels)))
+
+    def decide(
+        self, remaining: Sequence[ChunkCost], *, elapsed_s: float, bandwidth: float | None, n_requests: int = 1, busy_s: float = 0.0
+    ) -> Decision:
+        """:func:`choose` with these settings."""
+        return choose(remaining, levels=self.levels, elapsed_s=elapsed_s, slo_s=self.slo_s, bandwidth=bandwidth,
+                      prefill_s_per_token=self.prefill_s_per_token, n_requests=n_requests, busy_s=busy_s,
+                      allow_text=self.allow_text, safety=self.safety)  # fmt: skip
+
+
+# ------------------------------------------------------------------ trace records
+@dataclass(frozen=True)
+class ChunkRecord:
+    """What happened to one streamed chunk, for generation info.
+
+    ``estimate_bps``: the estimate before the choice; ``throughput_bps``: measured by this
+    chunk's fetch, after it (None for text). ``decode_s`` is the prefill time for text.
+    """
 
     index: int
+    chunk: Hashable
     option: Option
     estimate_bps: float | None
     predicted_finish_s: float | None
+    feasible: bool
     bytes: int = 0
     fetch_s: float = 0.0
     decode_s: float = 0.0
     throughput_bps: float | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return dict(self.__dict__)
+        return asdict(self)
 
 
-@dataclass
+@dataclass(frozen=True)
+class StreamPlan:
+    """The record of one stream: per-chunk records, total seconds, its SLO and batch size."""
+
+    records: tuple[ChunkRecord, ...] = ()
+    seconds: float = 0.0
+    slo_s: float | None = None
+    n_requests: int = 1
+
+    @property
+    def options(self) -> list[Option]:
+        return [r.option for r in self.records]
+
+    @property
+    def slo_met(self) -> bool | None:
+        return None if self.slo_s is None else self.seconds <= self.slo_s
+
+    def as_dict(self) -> dict[str, object]:
+        return {"slo_s": self.slo_s, "n_requests": self.n_requests, "seconds": self.seconds,
+                "chunks": [r.as_dict() for r in self.records]}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class StreamResult(Generic[T]):
-    """Decoded parts in order, the per-chunk trace, and the total time."""
+    """Decoded parts in stream order and the plan that produced them."""
 
     parts: list[T]
-    trace: list[ChunkTrace] = field(default_factory=list)
-    seconds: float = 0.0
+    plan: StreamPlan
+
+    @property
+    def trace(self) -> tuple[ChunkRecord, ...]:
+        return self.plan.records
+
+    @property
+    def seconds(self) -> float:
+        return self.plan.seconds
+
+
+@dataclass(frozen=True)
+class BatchResult(Generic[T]):
+    """Each request's parts in its own order, and the plan of the one shared stream."""
+
+    parts: list[list[T]]
+    plan: StreamPlan
 
 
 class StreamFailure(Exception):
-    """A fetch or decode failed at chunk ``index``; ``partial`` holds what was decoded before it."""
+    """A fetch, decode or prefill failed at stream position ``index`` (``chunk``).
 
-    def __init__(self, index: int, cause: BaseException, partial: StreamResult) -> None:
+    ``partial`` holds what was decoded before it, so the caller can recompute the rest.
+    """
+
+    def __init__(self, index: int, chunk: Hashable, cause: BaseException, partial: StreamResult) -> None:
         super().__init__(f"chunk {index}: {cause}")
-        self.index, self.cause, self.partial = index, cause, partial
+        self.index, self.chunk, self.cause, self.partial = index, chunk, cause, partial
+
+
+# ------------------------------------------------------------------ the drivers
+def stream_chunks(
+    chunk_ids: Sequence[C],
+    costs: Sequence[ChunkCost] | Callable[[C], ChunkCost],
+    *,
+    fetch: Callable[[C, int], bytes],
+    decode: Callable[[bytes, C, int], T],
+    on_text: Callable[[C], T],
+    controller: Controller,
+    estimator: Estimator,
+    n_requests: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> StreamResult[T]:
+    """Stream ``chunk_ids`` in order, choosing each one's option; fetch i+1 overlaps decode i.
+
+    ``costs``: one per chunk, or a function of the chunk read at every decision (so live
+    measurements reach the plan). ``fetch(chunk, level)`` runs in one worker thread and
+    returns the blob (raise if it is missing); ``decode(blob, chunk, level)`` and
+    ``on_text(chunk)`` (the text option: the caller prefills) run on the calling thread, in
+    stream order, each after the previous chunk's has returned, so they may build on it.
+    Each fetch's bytes and seconds update ``estimator``. A failing fetch, decode or
+    prefill raises :class:`StreamFailure` with the parts decoded before it.
+    """
+    ids = list(chunk_ids)
+    cost_of: Callable[[int], ChunkCost] = (lambda i: costs(ids[i])) if callable(costs) else (lambda i: costs[i])  # type: ignore[index,arg-type,operator]
+    start = clock()
+    records: list[ChunkRecord] = []
+    parts: list[T] = []
+
+    def plan(i: int, busy_s: float) -> Decision:
+        return controller.decide([cost_of(j) for j in range(i, len(ids))], elapsed_s=clock() - start,
+                                 bandwidth=estimator.estimate(), n_requests=n_requests, busy_s=busy_s)  # fmt: skip
+
+    def timed_fetch(chunk: C, level: int) -> tuple[bytes, float]:
+        t = clock()
+        blob = fetch(chunk, level)
+        return blob, clock() - t
+
+    def result() -> StreamResult[T]:
+        return StreamResult(list(parts), StreamPlan(tuple(records), clock() - start, controller.slo_s, n_requests))
+
+    if not ids:
+        return result()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachegen-fetch")
+    try:
+        decision = plan(0, 0.0)
+        pending: Future[tuple[bytes, float]] | None = None
+        if decision.option != TEXT:
+            pending = pool.submit(timed_fetch, ids[0], decision.option)
+        for i, chunk in enumerate(ids):
+            blob, fetch_s = b"", 0.0
+            if decision.option != TEXT:
+                assert pending is not None
+                try:
+                    blob, fetch_s = pending.result()
+                except Exception as e:
+                    raise StreamFailure(i, chunk, e, result()) from e
+                estimator.update(len(blob), fetch_s)
+            nxt: Decision | None = None
+            if i + 1 < len(ids):  # plan and start the next fetch now: it overlaps this chunk's decode or prefill
+                nxt = plan(i + 1, compute_seconds(cost_of(i), decision.option, controller.prefill_s_per_token, n_requests))
+                pending = pool.submit(timed_fetch, ids[i + 1], nxt.option) if nxt.option != TEXT else None
+            t = clock()
+            try:
+                part = on_text(chunk) if decision.option == TEXT else decode(blob, chunk, decision.option)
+            except Exception as e:
+                raise StreamFailure(i, chunk, e, result()) from e
+            records.append(ChunkRecord(
+                i, chunk, decision.option, decision.estimate_bps, decision.predicted_finish_s, decision.feasible,
+                len(blob), fetch_s, clock() - t, len(blob) / fetch_s if blob and fetch_s > 0 else None,
+            ))  # fmt: skip
+            parts.append(part)
+            if nxt is not None:
+                decision = nxt
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # after a failure, do not wait for an orphan fetch
+    return result()
+
+
+def unique_in_order(requests: Sequence[Sequence[C]]) -> list[C]:
+    """The distinct chunks of several requests, in order of first appearance."""
+    seen: dict[C, None] = {}
+    for chunks in requests:
+        for c in chunks:
+            seen.setdefault(c, None)
+    return list(seen)
+
+
+def stream_batch(
+    requests: Sequence[Sequence[C]],
+    costs: Mapping[C, ChunkCost] | Callable[[C], ChunkCost],
+    *,
+    fetch: Callable[[C, int], bytes],
+    decode: Callable[[bytes, C, int], T],
+    on_text: Callable[[C], T],
+    controller: Controller,
+    estimator: Estimator,
+    clock: Callable[[], float] = time.perf_counter,
+) -> BatchResult[T]:
+    """Stream the chunks of requests that arrived together as one stream; a shared chunk goes once.
+
+    The stream is :func:`unique_in_order` of ``requests`` (with prefix-chained chunk
+    keys, a chunk's predecessors in its request come before it), so each distinct chunk
+    gets one option and is fetched and decoded once, its part handed to every request
+    that asked for it. The controller plans over that whole stream: it counts the bytes of
+    every request, a shared chunk once, so the expected delay grows with the batch without
+    the ``n_requests`` scaling (which stands in for chunks it cannot see, and would count
+    these twice); ``plan.n_requests`` records the batch size. Failures raise
+    :class:`StreamFailure` whose ``partial`` follows the order of the shared stream.
+    """
+    order = unique_in_order(requests)
+    cost_of = costs if callable(costs) else costs.__getitem__
+    res = stream_chunks(order, cost_of, fetch=fetch, decode=decode, on_text=on_text, controller=controller,
+                        estimator=estimator, clock=clock)  # fmt: skip
+    part_of = dict(zip(order, res.parts))
+    plan = StreamPlan(res.plan.records, res.plan.seconds, res.plan.slo_s, len(requests))
+    return BatchResult([[part_of[c] for c in chunks] for chunks in requests], plan)
 
 
 def stream(
@@ -189,77 +449,18 @@ def stream(
     safety: float = 0.85,
     clock: Callable[[], float] = time.perf_counter,
 ) -> StreamResult[T]:
-    """Stream ``keys`` in order, choosing each chunk's option, overlapping fetch i+1 with decode i.
+    """:func:`stream_chunks` over positions, with ``decode(blob, i, parts_so_far)`` and
+    ``prefill(i, parts_so_far)``; the entry point the engine was first written against."""
+    done: list[T] = []
 
-    ``fetch(key, level)`` returns the blob; ``decode(blob, index, parts_so_far)`` and
-    ``prefill(index, parts_so_far)`` (the text option) return the part of chunk
-    ``index``. A failing fetch or decode raises ``StreamFailure`` with the parts decoded
-    before it, so the caller can recompute the rest.
-    """
-    start = clock()
-    result: StreamResult[T] = StreamResult(parts=[])
-    if not keys:
-        return result
+    def dec(blob: bytes, i: int, level: int) -> T:
+        done.append(decode(blob, i, done))
+        return done[-1]
 
-    def timed_fetch(key: Hashable, level: int) -> tuple[bytes, float]:
-        t = clock()
-        blob = fetch(key, level)
-        return blob, clock() - t
+    def text(i: int) -> T:
+        done.append(prefill(i, done))
+        return done[-1]
 
-    def decide(i: int) -> Decision:
-        return choose(
-            costs[i:],
-            levels=levels,
-            elapsed_s=clock() - start,
-            slo_s=slo_s,
-            bandwidth=estimator.estimate(),
-            prefill_s_per_token=prefill_s_per_token,
-            n_requests=n_requests,
-            safety=safety,
-        )
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachegen-fetch") as pool:
-        pending: Future | None = None
-        decision = decide(0)
-        if decision.option != TEXT:
-            pending = pool.submit(timed_fetch, keys[0], decision.option)
-        for i in range(len(keys)):
-            tr = ChunkTrace(i, decision.option, decision.estimate_bps, decision.predicted_finish_s)
-            try:
-                if decision.option == TEXT:
-                    t = clock()
-                    part = prefill(i, result.parts)
-                    tr.decode_s = clock() - t
-                    next_decision = decide(i + 1) if i + 1 < len(keys) else None
-                else:
-                    assert pending is not None
-                    blob, tr.fetch_s = pending.result()
-                    tr.bytes = len(blob)
-                    estimator.update(len(blob), tr.fetch_s)
-                    tr.throughput_bps = len(blob) / tr.fetch_s if tr.fetch_s > 0 else None
-                    next_decision = decide(i + 1) if i + 1 < len(keys) else None
-                    if next_decision is not None and next_decision.option != TEXT:
-                        pending = pool.submit(timed_fetch, keys[i + 1], next_decision.option)  # overlaps the decode below
-                    t = clock()
-                    part = decode(blob, i, result.parts)
-                    tr.decode_s = clock() - t
-            except Exception as e:
-                result.seconds = clock() - start
-                raise StreamFailure(i, e, result) from e
-            if decision.option == TEXT and next_decision is not None and next_decision.option != TEXT:
-                pending = pool.submit(timed_fetch, keys[i + 1], next_decision.option)
-            result.parts.append(part)
-            result.trace.append(tr)
-            if next_decision is not None:
-                decision = next_decision
-    result.seconds = clock() - start
-    return result
-
-
-def unique_in_order(requests: Sequence[Sequence[Hashable]]) -> list[Hashable]:
-    """The distinct chunk keys of several requests, in order of first appearance (for shared fetches)."""
-    seen: dict[Hashable, None] = {}
-    for keys in requests:
-        for k in keys:
-            seen.setdefault(k, None)
-    return list(seen)
+    controller = Controller(tuple(levels), slo_s, prefill_s_per_token, safety=safety)
+    return stream_chunks(range(len(keys)), costs, fetch=lambda i, level: fetch(keys[i], level), decode=dec,
+                         on_text=text, controller=controller, estimator=estimator, n_requests=n_requests, clock=clock)  # fmt: skip

@@ -1,198 +1,438 @@
-"""The streaming controller, the estimators and the pipelined driver, without a model; then the engine under an SLO."""
+"""The streaming controller, the estimators and the pipelined drivers, without a model or a store."""
 
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from benchmarks.throttled_proxy import TRACES, TraceLink, load_traces
 from cachegen_core.streaming import (
     TEXT,
     ChunkCost,
+    Controller,
+    Decision,
     HarmonicMeanEstimator,
     LastSampleEstimator,
     StreamFailure,
     choose,
     make_estimator,
-    option_seconds,
+    predict_finish,
     stream,
+    stream_batch,
+    stream_chunks,
     unique_in_order,
 )
 
-LEVELS = [0, 1, 2, 3]
+LEVELS = (0, 1, 2, 3)
 MB = 1_000_000
+RANK = {0: 0, 1: 1, 2: 2, 3: 3, TEXT: 4}  # quality order, best first
 
 
-def costs(n, tokens=1536):
-    # level L costs (4 - L) MB; decode 10 ms; text costs tokens * prefill
-    return [ChunkCost({lv: (4 - lv) * MB for lv in LEVELS}, {lv: 0.01 for lv in LEVELS}, tokens) for _ in range(n)]
+def costs(n, tokens=1536, decode_s=0.01):
+    """Level L costs (4 - L) MB and ``decode_s``; text costs tokens * prefill."""
+    return [ChunkCost({lv: (4 - lv) * MB for lv in LEVELS}, {lv: decode_s for lv in LEVELS}, tokens) for _ in range(n)]
 
 
-def test_harmonic_mean_maths_and_robustness():
-    e = HarmonicMeanEstimator(window=20)
-    assert e.estimate() is None
-    for bps in (100.0, 200.0, 400.0):
-        e.update(int(bps), 1.0)
-    assert e.estimate() == pytest.approx(3 / (1 / 100 + 1 / 200 + 1 / 400))
+# ------------------------------------------------------------------ estimators
+def test_harmonic_mean_exact_values():
     e = HarmonicMeanEstimator()
-    for _ in range(19):
-        e.update(100, 1.0)
-    e.update(10_000, 1.0)  # one very fast sample
-    assert e.estimate() < 106
-    last = LastSampleEstimator()
-    last.update(100, 1.0)
-    last.update(10_000, 1.0)
-    assert last.estimate() == 10_000
+    assert e.estimate() is None
+    for nbytes, seconds in ((100, 1.0), (400, 2.0), (400, 1.0)):  # 100, 200, 400 bytes/s
+        e.update(nbytes, seconds)
+    assert e.estimate() == pytest.approx(3 / (1 / 100 + 1 / 200 + 1 / 400))  # 171.43
+    e.update(0, 1.0)  # empty or instant fetches carry no information
+    e.update(10, 0.0)
+    assert len(e.samples) == 3
 
 
-def test_window_drops_old_samples():
+def test_one_fast_sample_barely_moves_the_harmonic_mean_but_sets_the_last():
+    h, last = HarmonicMeanEstimator(), LastSampleEstimator()
+    for est in (h, last):
+        for _ in range(19):
+            est.update(100, 1.0)
+        est.update(1_000_000, 1.0)  # one sample 10^4 times faster
+    assert h.estimate() == pytest.approx(20 / (19 / 100 + 1 / 1_000_000))  # 105.26
+    assert h.estimate() < 1.06 * 100
+    assert last.estimate() == 1_000_000
+    h.update(10, 1.0)  # a slow sample shows at once (the oldest 100 falls out)
+    assert h.estimate() == pytest.approx(20 / (18 / 100 + 1 / 1_000_000 + 1 / 10))  # 71.43
+
+
+def test_window_keeps_the_last_n_samples():
     e = HarmonicMeanEstimator(window=3)
-    for bps in (1, 1000, 1000, 1000):
+    for bps in (1, 1000, 1000):
         e.update(bps, 1.0)
+    assert e.estimate() == pytest.approx(3 / (1 + 2 / 1000))
+    e.update(1000, 1.0)  # the slow one falls out
     assert e.estimate() == pytest.approx(1000)
+    assert HarmonicMeanEstimator().samples.maxlen == 20
+    with pytest.raises(ValueError):
+        HarmonicMeanEstimator(window=0)
+
+
+def test_estimator_factory():
+    assert isinstance(make_estimator("harmonic"), HarmonicMeanEstimator)
+    assert isinstance(make_estimator("last"), LastSampleEstimator)
+    assert make_estimator("harmonic") is not make_estimator("harmonic")
     with pytest.raises(ValueError, match="unknown estimator"):
         make_estimator("nope")
 
 
-def test_first_chunk_medium_and_no_slo_best():
-    assert choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=None, prefill_s_per_token=1e-3).option == 2
-    assert choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=None, bandwidth=1.0, prefill_s_per_token=1e-3).option == 0
+# ------------------------------------------------------------------ prediction and choice
+def test_predict_finish_is_a_two_stage_pipeline():
+    two = [ChunkCost({0: 10}, {0: 0.5}, 7)] * 2
+    kw = dict(elapsed_s=1.0, bandwidth=10.0, prefill_s_per_token=0.1)
+    # arrivals at 2 and 3; decodes end at 2.5 and 3.5
+    assert predict_finish(two, 0, **kw) == pytest.approx(3.5)
+    # decode-bound: the compute stage is busy until 4, then 2 decodes of 2 s
+    slow = [ChunkCost({0: 10}, {0: 2.0}, 7)] * 2
+    assert predict_finish(slow, 0, busy_s=3.0, **kw) == pytest.approx(8.0)
+    # a batch of 3 costs 3x on both stages
+    assert predict_finish(two, 0, n_requests=3, **kw) == pytest.approx(1 + 3 + 3 + 1.5)  # arrivals 4, 7; the second decode ends at 8.5
+    # text: no link; prefill after the busy compute stage
+    assert predict_finish(two, TEXT, busy_s=0.5, **kw) == pytest.approx(1 + 0.5 + 2 * 7 * 0.1)
 
 
-def test_degrades_in_order_level_then_text():
+def test_first_chunk_uses_the_medium_level_and_no_slo_the_best():
+    kw = dict(elapsed_s=0.0, prefill_s_per_token=1e-3)
+    assert choose(costs(3), levels=[3, 1, 0, 2], slo_s=1.0, bandwidth=None, **kw).option == 2
+    assert choose(costs(3), levels=[0, 1, 2], slo_s=1.0, bandwidth=None, **kw).option == 1
+    assert choose(costs(3), levels=LEVELS, slo_s=None, bandwidth=None, **kw).option == 0
+    slow = choose(costs(3), levels=LEVELS, slo_s=None, bandwidth=1.0, **kw)  # hopelessly slow, but no SLO
+    assert slow.option == 0 and slow.predicted_finish_s > 1e6
+
+
+def test_degrades_level_by_level_then_text():
     picks = []
-    for bw in (100 * MB, 11 * MB, 7 * MB, 4 * MB, 0.5 * MB):
+    for bw in (100 * MB, 12 * MB, 9 * MB, 5 * MB, 0.5 * MB):
         d = choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=bw, prefill_s_per_token=1e-4, safety=1.0)
+        assert d.feasible and d.predicted_finish_s <= 1.0 and d.estimate_bps == bw
         picks.append(d.option)
     assert picks == [0, 1, 2, 3, TEXT]
-    # with prefill too slow as well, nothing is feasible: the fastest option
+    # nothing fits (text too slow as well): the option predicted to finish first
     d = choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=0.5 * MB, prefill_s_per_token=1.0)
+    assert not d.feasible and d.option == 3
+    # text disallowed: the coarsest level, flagged as a predicted miss
+    d = choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=0.5 * MB, prefill_s_per_token=1e-4, allow_text=False)
     assert not d.feasible and d.option == 3
 
 
-def test_batch_scales_expected_delay():
-    one = choose(costs(2), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=10 * MB, prefill_s_per_token=1e-2)
-    four = choose(costs(2), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=10 * MB, prefill_s_per_token=1e-2, n_requests=4)
-    assert four.option > one.option
+def test_batch_size_scales_the_expected_delay():
+    kw = dict(levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=20 * MB, prefill_s_per_token=1e-2)
+    one, four = choose(costs(2), **kw), choose(costs(2), n_requests=4, **kw)
+    assert one.option == 0 and RANK[four.option] > RANK[one.option]
+
+
+def test_safety_margin_and_time_already_spent():
+    kw = dict(levels=LEVELS, slo_s=1.0, bandwidth=10 * MB, prefill_s_per_token=1.0)
+    # two chunks at level 0 take 0.81 s: fits 1.0 s, not 0.75 * 1.0 s; level 1 takes 0.61 s
+    assert choose(costs(2), elapsed_s=0, safety=1.0, **kw).option == 0
+    assert choose(costs(2), elapsed_s=0, safety=0.75, **kw).option == 1
+    # 0.5 s already spent: level 2 (0.41 s) is the best that still fits
+    assert choose(costs(2), elapsed_s=0.5, safety=1.0, **kw).option == 2
+
+
+cost_st = st.builds(
+    lambda sizes, dec, tokens: ChunkCost(dict(zip(LEVELS, sorted(sizes, reverse=True))), dict(zip(LEVELS, dec)), tokens),
+    st.lists(st.integers(1, 50 * MB), min_size=4, max_size=4),
+    st.lists(st.floats(0, 0.5), min_size=4, max_size=4),
+    st.integers(1, 4096),
+)
+situation = dict(
+    remaining=st.lists(cost_st, min_size=1, max_size=6),
+    bw=st.floats(1e4, 1e10),
+    slo=st.floats(0.01, 30),
+    elapsed=st.floats(0, 10),
+    busy=st.floats(0, 1),
+    prefill=st.floats(1e-6, 1e-2),
+    n=st.integers(1, 8),
+    safety=st.floats(0.5, 1.0),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(**situation)
+def test_never_picks_a_predicted_miss_when_an_option_fits(remaining, bw, slo, elapsed, busy, prefill, n, safety):
+    d = choose(remaining, levels=LEVELS, elapsed_s=elapsed, slo_s=slo, bandwidth=bw, prefill_s_per_token=prefill,
+               n_requests=n, busy_s=busy, safety=safety)  # fmt: skip
+    finish = {o: predict_finish(remaining, o, elapsed_s=elapsed, bandwidth=bw, prefill_s_per_token=prefill,
+                                n_requests=n, busy_s=busy) for o in RANK}  # fmt: skip
+    assert d.predicted_finish_s == finish[d.option]
+    if any(f <= slo for f in finish.values()):
+        assert finish[d.option] <= slo  # never a predicted miss when something meets the SLO
+    budget = elapsed + safety * max(slo - elapsed, 0)
+    fits = [o for o in RANK if finish[o] <= budget]
+    if fits:  # the best-quality option that fits the budget
+        assert d.feasible and d.option == min(fits, key=RANK.__getitem__)
+    else:
+        assert not d.feasible and finish[d.option] == min(finish.values())
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    n=st.integers(1, 6),
-    bw=st.floats(1e5, 1e10),
-    slo=st.floats(0.01, 20),
-    elapsed=st.floats(0, 5),
-    prefill=st.floats(1e-6, 1e-2),
-)
-def test_never_picks_a_predicted_miss_when_something_fits(n, bw, slo, elapsed, prefill):
-    cs = costs(n)
-    d = choose(cs, levels=LEVELS, elapsed_s=elapsed, slo_s=slo, bandwidth=bw, prefill_s_per_token=prefill)
-    finishes = {o: elapsed + sum(option_seconds(c, o, bw, prefill) for c in cs) for o in [*LEVELS, TEXT]}
-    budget = elapsed + 0.85 * max(slo - elapsed, 0)  # the controller's default safety margin
-    if any(f <= budget for f in finishes.values()):
-        assert d.feasible and finishes[d.option] <= budget <= slo
-        better = [o for o in LEVELS if o < d.option] if d.option != TEXT else LEVELS
-        assert all(finishes[o] > budget for o in better)  # the best-quality feasible option
-    else:
-        assert finishes[d.option] == min(finishes.values())
+@given(**situation, drop=st.floats(0.01, 1.0))
+def test_a_slower_link_never_raises_the_quality(remaining, bw, slo, elapsed, busy, prefill, n, safety, drop):
+    kw = dict(levels=LEVELS, elapsed_s=elapsed, slo_s=slo, prefill_s_per_token=prefill, n_requests=n, busy_s=busy, safety=safety)
+    fast, slow = choose(remaining, bandwidth=bw, **kw), choose(remaining, bandwidth=bw * drop, **kw)
+    if slow.feasible:
+        assert RANK[slow.option] >= RANK[fast.option]
+
+
+# ------------------------------------------------------------------ the controller on traces (simulated)
+def simulate(cs, controller, estimator, link, n_requests=1):
+    """The timeline of ``stream_chunks`` on a fake clock: fetch i+1 is planned and starts when chunk i
+    has arrived (or, for text, when its prefill starts), decodes and prefills take what the costs say."""
+    main = 0.0  # the caller's thread is free from here
+    decision = controller.decide(cs, elapsed_s=0.0, bandwidth=estimator.estimate(), n_requests=n_requests)
+    fetch_start, options = 0.0, []
+    for i, c in enumerate(cs):
+        opt = decision.option
+        options.append(opt)
+        t = main
+        if opt != TEXT:
+            nbytes = n_requests * c.sizes[opt]
+            arrived = link.finish(fetch_start, nbytes)
+            estimator.update(nbytes, arrived - fetch_start)
+            t = max(main, arrived)
+        busy = n_requests * (c.tokens * controller.prefill_s_per_token if opt == TEXT else c.decode_s[opt])
+        if i + 1 < len(cs):
+            decision = controller.decide(cs[i + 1 :], elapsed_s=t, bandwidth=estimator.estimate(), n_requests=n_requests, busy_s=busy)
+            fetch_start = t
+        main = t + busy
+    return main, options
+
+
+def seven_b_chunks(n=10):
+    """7B-like chunks of 1536 tokens: 60..25 MB per level, 20 ms decode."""
+    return [ChunkCost(dict(zip(LEVELS, (60 * MB, 45 * MB, 35 * MB, 25 * MB))), dict.fromkeys(LEVELS, 0.02), 1536)] * n
+
+
+SYNTHETIC = [  # Gbit/s per 0.1 s slice
+    [5.0, 4.0, 6.0, 3.5, 5.5, 4.5, 6.5, 3.8],
+    [3.0, 2.5, 2.0, 2.2, 2.8, 2.4, 2.1, 2.6],
+    [8.0, 1.5, 6.0, 2.0, 7.0, 1.8, 5.0, 2.2],
+    [2.0] * 8,
+]
+
+
+@pytest.mark.parametrize("estimator", ["harmonic", "last"])
+@pytest.mark.parametrize("trace", SYNTHETIC)
+def test_meets_a_feasible_slo_on_fluctuating_traces(trace, estimator):
+    cs = seven_b_chunks()
+    link = TraceLink(trace, slice_s=0.1)
+    coarsest = sum(c.sizes[3] for c in cs) / (min(trace) * 1e9 / 8) + 0.02  # the coarsest level at the worst rate
+    slo = 1.3 * coarsest
+    controller = Controller(LEVELS, slo_s=slo, prefill_s_per_token=1e-3)  # text: 15 s, never attractive
+    finish, options = simulate(cs, controller, make_estimator(estimator), link)
+    assert finish <= slo, options
+    assert options[0] == 2 and TEXT not in options
+    assert sum(options) < 3 * len(options)  # it used the slack: not the coarsest level throughout
+    best_finish, best = simulate(cs, Controller(LEVELS), make_estimator(estimator), link)
+    assert best == [0] * len(cs) and best_finish > finish
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="shared bandwidth traces not present")
+def test_real_traces_meet_a_slo_that_text_meets():
+    """On the real traces, with an SLO that recomputing everything meets, the plan meets it too."""
+    cs = seven_b_chunks()
+    prefill = 1e-4  # 10K tokens/s: text takes 1.54 s
+    text_s = sum(c.tokens for c in cs) * prefill
+    for trace in load_traces():
+        controller = Controller(LEVELS, slo_s=text_s, prefill_s_per_token=prefill)
+        finish, options = simulate(cs, controller, make_estimator("harmonic"), TraceLink(trace, slice_s=0.1))
+        assert finish <= text_s, (trace, options)
+        assert any(o != TEXT for o in options)
+
+
+def test_link_drop_degrades_to_lower_levels_then_text():
+    cs = seven_b_chunks(12)
+    # 10 Gbit/s, then 2, then 0.5: the best level first, a coarser one as the drop shows, then text
+    link = TraceLink([10.0] * 3 + [2.0] * 3 + [0.5] * 100, slice_s=0.1)
+    controller = Controller(LEVELS, slo_s=2.0, prefill_s_per_token=1e-5)  # text: 15 ms per chunk
+    finish, options = simulate(cs, controller, make_estimator("harmonic"), link)
+    first_use = list(dict.fromkeys(options[1:]))  # after the medium first chunk
+    assert [RANK[o] for o in first_use] == sorted(RANK[o] for o in first_use)  # quality only goes down
+    assert first_use[0] == 0 and first_use[-1] == TEXT and len(first_use) >= 3  # a coarser level before text
+    # the chunk in flight when the link collapses was planned at 2 Gbit/s: the SLO is not always
+    # reachable, but the plan is far ahead of staying at the best level
+    best_finish, _ = simulate(cs, Controller(LEVELS), make_estimator("harmonic"), link)
+    assert finish < best_finish / 2
+
+
+# ------------------------------------------------------------------ the pipelined driver
+@dataclass(frozen=True)
+class Scripted(Controller):
+    """A controller that plays a fixed list of options (for driver tests)."""
+
+    script: tuple = ()
+
+    def decide(self, remaining, **kw):
+        return Decision(self.script[len(self.script) - len(remaining)], None, None, True)
 
 
 class FakeLink:
-    """A link whose bandwidth follows a trace, one sample per chunk, on a fake clock."""
+    """Fetches on a fake clock: each one advances it by what ``link`` says. Decode and prefill are free."""
 
-    def __init__(self, trace_bps):
-        self.trace, self.now, self.i = list(trace_bps), 0.0, 0
+    def __init__(self, link, size_of):
+        self.link, self.size_of, self.now, self.calls = link, size_of, 0.0, []
 
     def clock(self):
         return self.now
 
-    def fetch(self, key, level):
-        nbytes = (4 - level) * MB
-        self.now += nbytes / self.trace[min(self.i, len(self.trace) - 1)]
-        self.i += 1
-        return bytes(nbytes - 1) + bytes([level])  # real size: the estimator measures it
+    def fetch(self, chunk, level):
+        self.calls.append((chunk, level))
+        nbytes = self.size_of(chunk, level)
+        self.now = self.link.finish(self.now, nbytes)
+        return bytes([level]) * nbytes
 
 
-def run_trace(trace, slo, n=8):
-    link = FakeLink(trace)
-    res = stream(
-        list(range(n)),
-        costs(n),
-        fetch=link.fetch,
-        decode=lambda blob, i, parts: blob[-1],
-        prefill=lambda i, parts: "text",
-        levels=LEVELS,
-        estimator=HarmonicMeanEstimator(),
-        slo_s=slo,
-        prefill_s_per_token=1.0,  # text is never attractive here
-        clock=link.clock,
-    )
-    return res, link.now
+def test_driver_trace_records_estimates_and_throughput():
+    cs = costs(4, tokens=10)
+    fake = FakeLink(TraceLink([8 * 8e-3, 4 * 8e-3], slice_s=1000.0), lambda c, lv: cs[c].sizes[lv])  # 8 MB/s
+    res = stream_chunks(range(4), cs, fetch=fake.fetch, decode=lambda blob, c, lv: (c, blob[0]), on_text=lambda c: (c, TEXT),
+                        controller=Controller(LEVELS, slo_s=60.0), estimator=HarmonicMeanEstimator(), clock=fake.clock)  # fmt: skip
+    assert res.parts == [(0, 2), (1, 0), (2, 0), (3, 0)]  # medium first, then the best level fits
+    r0, r1 = res.trace[:2]
+    assert r0.option == 2 and r0.estimate_bps is None and r0.predicted_finish_s is None
+    assert r0.bytes == 2 * MB and r0.fetch_s == pytest.approx(0.25) and r0.throughput_bps == pytest.approx(8 * MB)
+    assert r1.estimate_bps == pytest.approx(8 * MB) and r1.predicted_finish_s == pytest.approx(0.25 + 3 * 0.5 + 0.01)
+    assert res.plan.options == [2, 0, 0, 0] and res.plan.slo_met and res.seconds == pytest.approx(fake.now)
+    d = res.plan.as_dict()
+    assert d["chunks"][1]["option"] == 0 and d["chunks"][1]["throughput_bps"] == pytest.approx(8 * MB)
 
 
-def test_meets_a_feasible_slo_on_a_fluctuating_trace():
-    trace = [m * MB for m in (10, 8, 12, 9, 11, 7, 10, 9)]  # +-30 % around 10 MB/s
-    res, total = run_trace(trace, slo=3.0)  # level 3 throughout would take ~0.85 s, level 0 ~3.4 s
-    assert total <= 3.0
-    assert any(t.option < 3 for t in res.trace)  # it did not just take the coarsest level
-    assert res.trace[0].option == 2 and len(res.parts) == 8
-    fixed_best, _ = run_trace(trace, slo=None)
-    assert all(p == 0 for p in fixed_best.parts)
+def test_driver_degrades_on_a_link_drop_then_sends_text():
+    cs = costs(8, tokens=10)
+    # 80 MB/s for 0.1 s, then 80 KB/s
+    fake = FakeLink(TraceLink([0.64] + [0.00064] * 10_000, slice_s=0.1), lambda c, lv: cs[c].sizes[lv])
+    texts = []
+    res = stream_chunks(range(8), cs, fetch=fake.fetch, decode=lambda blob, c, lv: lv,
+                        on_text=lambda c: texts.append(c) or TEXT,
+                        controller=Controller(LEVELS, slo_s=2.0, prefill_s_per_token=1e-3),
+                        estimator=LastSampleEstimator(), clock=fake.clock)  # fmt: skip
+    options = res.plan.options
+    assert options[-1] == TEXT and texts == [i for i, o in enumerate(options) if o == TEXT]
+    first_use = list(dict.fromkeys(options[1:]))  # after the medium first chunk
+    assert [RANK[o] for o in first_use] == sorted(RANK[o] for o in first_use)
+    assert [c for c, _ in fake.calls] == [i for i, o in enumerate(options) if o != TEXT]  # text chunks are not fetched
 
 
-def test_link_drop_lowers_the_level():
-    res, _ = run_trace([20 * MB] * 3 + [2 * MB] * 5, slo=3.0)
-    levels = [t.option for t in res.trace]
-    assert max(levels[4:]) >= max(levels[:3]) and levels[-1] == 3
+def test_costs_can_be_read_live():
+    seen = []
+
+    def cost_of(chunk):
+        seen.append(chunk)
+        return costs(1)[0]
+
+    res = stream_chunks(["a", "b", "c"], cost_of, fetch=lambda c, lv: b"x", decode=lambda b, c, lv: c, on_text=lambda c: c,
+                        controller=Controller(LEVELS), estimator=HarmonicMeanEstimator())  # fmt: skip
+    assert res.parts == ["a", "b", "c"] and seen.count("c") == 3  # one look per decision (and per busy estimate)
 
 
-def test_text_fallback_when_the_link_collapses():
-    link = FakeLink([50 * MB, 0.01 * MB])
-    res = stream(
-        list(range(4)), costs(4, tokens=100), fetch=link.fetch, decode=lambda b, i, p: b[-1],
-        prefill=lambda i, parts: TEXT, levels=LEVELS, estimator=LastSampleEstimator(), slo_s=1.0,
-        prefill_s_per_token=1e-3, clock=link.clock,
-    )  # fmt: skip
-    assert TEXT in [t.option for t in res.trace] and res.parts[-1] == TEXT
+def test_fetch_of_the_next_chunk_overlaps_decode_and_prefill():
+    """Decode of chunk i waits for fetch i+1 to start: a sequential driver would never get there."""
+    started = {i: threading.Event() for i in range(4)}
+    threads, overlapped = {}, []
 
-
-def test_fetch_of_next_chunk_overlaps_decode():
-    events, lock = [], threading.Lock()
-
-    def log(e):
-        with lock:
-            events.append(e)
-
-    def fetch(key, level):
-        log(("fetch-start", key))
-        time.sleep(0.05)
-        log(("fetch-end", key))
+    def fetch(chunk, level):
+        threads.setdefault("fetch", threading.current_thread())
+        started[chunk].set()
+        time.sleep(0.01)
         return b"blob"
 
-    def decode(blob, i, parts):
-        log(("decode-start", i))
-        time.sleep(0.05)
-        log(("decode-end", i))
-        return i
+    def work(chunk):
+        threads.setdefault("decode", threading.current_thread())
+        if chunk + 1 in (1, 3):  # the next chunk is fetched (chunk 2 goes as text)
+            overlapped.append(started[chunk + 1].wait(timeout=10))
+        return chunk
 
-    res = stream(list(range(3)), costs(3), fetch=fetch, decode=decode, prefill=lambda i, p: i, levels=LEVELS,
-                 estimator=HarmonicMeanEstimator())  # fmt: skip
-    assert res.parts == [0, 1, 2]
-    # chunk 1's fetch started before chunk 0's decode ended
-    assert events.index(("fetch-start", 1)) < events.index(("decode-end", 0))
+    script = Scripted(LEVELS, script=(0, 1, TEXT, 0))  # chunk 2 is prefilled: fetch 3 overlaps it
+    res = stream_chunks(range(4), costs(4), fetch=fetch, decode=lambda b, c, lv: work(c), on_text=work, controller=script,
+                        estimator=HarmonicMeanEstimator())  # fmt: skip
+    assert res.parts == [0, 1, 2, 3] and res.plan.options[2] == TEXT
+    assert overlapped == [True, True] and not started[2].is_set()
+    assert threads["decode"] is threading.current_thread() and threads["fetch"] is not threads["decode"]
 
 
-def test_failure_keeps_the_decoded_prefix():
-    def fetch(key, level):
-        if key == 2:
+def test_failures_keep_the_decoded_prefix():
+    def fetch(chunk, level):
+        if chunk == 2:
             raise OSError("store died")
         return b"ok"
 
+    kw = dict(decode=lambda b, c, lv: c, on_text=lambda c: c, controller=Controller(LEVELS), estimator=HarmonicMeanEstimator())
     with pytest.raises(StreamFailure) as err:
-        stream(list(range(4)), costs(4), fetch=fetch, decode=lambda b, i, p: i, prefill=lambda i, p: i, levels=LEVELS,
-               estimator=HarmonicMeanEstimator())  # fmt: skip
-    assert err.value.index == 2 and err.value.partial.parts == [0, 1]
+        stream_chunks([0, 1, 2, 3], costs(4), fetch=fetch, **kw)
+    assert err.value.index == 2 and err.value.chunk == 2 and isinstance(err.value.cause, OSError)
+    assert err.value.partial.parts == [0, 1] and len(err.value.partial.trace) == 2
+
+    def bad_decode(blob, chunk, level):
+        if chunk == "b":
+            raise ValueError("corrupt")
+        return chunk
+
+    with pytest.raises(StreamFailure) as err:
+        stream_chunks(["a", "b", "c"], costs(3), fetch=lambda c, lv: b"ok", **{**kw, "decode": bad_decode})
+    assert err.value.index == 1 and err.value.partial.parts == ["a"]
 
 
-def test_unique_in_order_shares_chunks():
+def test_empty_stream():
+    res = stream_chunks([], [], fetch=None, decode=None, on_text=None, controller=Controller(LEVELS), estimator=HarmonicMeanEstimator())
+    assert res.parts == [] and res.trace == ()
+
+
+def test_positional_stream_hands_the_parts_so_far():
+    seen = []
+
+    def decode(blob, i, parts):
+        seen.append(list(parts))
+        return i * 10
+
+    res = stream(["k0", "k1", "k2"], costs(3), fetch=lambda k, lv: k.encode(), decode=decode, prefill=lambda i, p: -1,
+                 levels=LEVELS, estimator=HarmonicMeanEstimator())  # fmt: skip
+    assert res.parts == [0, 10, 20] and seen == [[], [0], [0, 10]]
+
+
+# ------------------------------------------------------------------ batches
+def test_batch_shares_fetches_and_decodes():
+    fetches, decodes = [], []
+    requests = [["a", "b", "c"], ["a", "b", "d"], ["a"], ["e"]]
+    cs = dict.fromkeys("abcde", costs(1)[0])
+
+    def fetch(chunk, level):
+        fetches.append(chunk)
+        return chunk.encode()
+
+    def decode(blob, chunk, level):
+        decodes.append(chunk)
+        return object()
+
+    res = stream_batch(requests, cs, fetch=fetch, decode=decode, on_text=lambda c: None, controller=Controller(LEVELS),
+                       estimator=HarmonicMeanEstimator())  # fmt: skip
+    assert sorted(fetches) == sorted(decodes) == ["a", "b", "c", "d", "e"]  # once each
+    assert [len(p) for p in res.parts] == [3, 3, 1, 1]
+    assert res.parts[0][0] is res.parts[1][0] is res.parts[2][0]  # the same decoded part for every request
+    assert res.parts[0][2] is not res.parts[1][2]
+    assert res.plan.n_requests == 4 and [r.chunk for r in res.plan.records] == ["a", "b", "c", "d", "e"]
+
+
+def test_batch_plans_with_the_bytes_of_every_request():
+    """Alone, a request's 2 chunks fit at level 0; with 3 more requests' distinct chunks, a coarser level."""
+    est = HarmonicMeanEstimator()
+    est.update(10 * MB, 1.0)  # 10 MB/s: 2 chunks at level 0 take 0.8 s
+    kw = dict(fetch=lambda c, lv: b"x", decode=lambda b, c, lv: lv, on_text=lambda c: TEXT,
+              controller=Controller(LEVELS, slo_s=1.0, prefill_s_per_token=1.0, safety=1.0), clock=lambda: 0.0)  # fmt: skip
+    cs = dict.fromkeys(range(8), costs(1, decode_s=0.0)[0])
+    alone = stream_batch([[0, 1]], cs, estimator=est, **kw)
+    assert alone.plan.options[0] == 0
+    batch = stream_batch([[0, 1], [2, 3], [4, 5], [6, 7]], cs, estimator=est, **kw)
+    assert batch.plan.options[0] == 3  # 8 chunks in 1 s at 10 MB/s: 1 MB each, the coarsest level
+    shared = stream_batch([[0, 1]] * 4, cs, estimator=est, **kw)
+    assert shared.plan.options[0] == 0  # the same chunks four times: nothing more to send
+
+
+def test_unique_in_order():
     assert unique_in_order([["a", "b", "c"], ["a", "b", "d"], ["a"]]) == ["a", "b", "c", "d"]
+    assert unique_in_order([]) == []
