@@ -155,8 +155,8 @@ def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndar
     for threads in cpu_threads:
         coder = NativeCoder(threads=threads)
         coder.tables(freqs)  # table conversion is once per profile, not per chunk: keep it out of the timing
-        t_enc, payloads = best_time(lambda: coder.encode(symbols, layout, freqs), reps)
-        t_dec, decoded = best_time(lambda: coder.decode(payloads, layout, freqs), reps)
+        t_enc, payloads = best_time(lambda c=coder: c.encode(symbols, layout, freqs), reps)
+        t_dec, decoded = best_time(lambda c=coder, p=payloads: c.decode(p, layout, freqs), reps)
         assert np.array_equal(decoded, symbols), "native decode differs from the input"
         bps = 8 * sum(map(len, payloads)) / layout.n_symbols
         line(coder.name, "encode", threads, t_enc, bps)

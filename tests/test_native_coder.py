@@ -3,7 +3,6 @@ format, hostile input, the coder registry, and (where nvcc / a GPU exist) the CU
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import shutil
 import subprocess
@@ -73,7 +72,7 @@ def test_round_trip_matches_reference(alphabet, counts, period, skew, near_zero,
     payloads = round_trip(NativeCoder(threads=2), sym, layout, freqs)
     ref = ReferenceCoder()
     assert np.array_equal(ref.decode(ref.encode(sym, layout, freqs), layout, freqs), sym)
-    assert all(len(p) == 0 for p, c in zip(payloads, counts) if c == 0)
+    assert all(len(p) == 0 for p, c in zip(payloads, counts, strict=True) if c == 0)
 
 
 @pytest.mark.parametrize("alphabet", [2, 3, 17, 255, 256])
@@ -211,7 +210,7 @@ def _valid() -> tuple[NativeCoder, StreamLayout, np.ndarray, np.ndarray, list[by
 
 
 def test_truncated_oversized_and_garbage_payloads_are_errors():
-    c, layout, freqs, sym, payloads = _valid()
+    c, layout, freqs, _, payloads = _valid()
     p0 = payloads[0]
     for n in range(len(p0)):
         with pytest.raises(CoderError):
@@ -234,7 +233,7 @@ def test_truncated_oversized_and_garbage_payloads_are_errors():
 
 
 def test_bit_flips_are_caught_or_in_range():
-    c, layout, freqs, sym, payloads = _valid()
+    c, layout, freqs, _, payloads = _valid()
     caught = 0
     for i in range(len(payloads[0])):
         for bit in (0x01, 0x10, 0x80):
