@@ -175,10 +175,12 @@ class Profile:
             raise CacheGenFormatError(f"cannot read profile {path}: {e}") from e
         try:
             meta = json.loads(raw_meta)
-        except json.JSONDecodeError as e:
-            raise CacheGenFormatError(f"profile {path} has unreadable metadata: {e}") from e
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, ints over 4300 digits, deep nesting
+            raise CacheGenFormatError(f"profile {path} has unreadable metadata: {str(e)[:200]}") from None
         if not isinstance(meta, dict) or meta.get("format") != PROFILE_FORMAT:
             raise CacheGenFormatError(f"{path} is not a {PROFILE_FORMAT} file")
+        if not isinstance(meta.get("codec_id"), str):
+            raise CacheGenFormatError(f"profile {path}: bad codec_id")
         for key in ("num_layers", "channels", "n_levels"):
             if not isinstance(meta.get(key), int) or meta[key] < 1:
                 raise CacheGenFormatError(f"profile {path}: bad {key}")
