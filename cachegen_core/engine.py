@@ -342,6 +342,15 @@ class KVEngine:
         return text, info
 
     @property
+    def kv_geometry(self) -> tuple[int, int, int]:
+        """The model's (layers, KV heads, head dim), from its config."""
+        cfg = self.model.config
+        text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return text.num_hidden_layers, heads, head_dim
+
+    @property
     def stream_levels(self) -> list[int]:
         """Levels the controller may fetch: ``level`` and every coarser stored level."""
         return sorted(lv for lv in self.store_levels if lv >= self.level)
@@ -380,11 +389,8 @@ class KVEngine:
         if not items:
             return []
         run = [c for c, _, _ in items]
-        cfg = self.model.config
-        text_cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-        heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
-        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        elements = 2 * text_cfg.num_hidden_layers * heads * head_dim
+        layers, heads, head_dim = self.kv_geometry
+        elements = 2 * layers * heads * head_dim
 
         def fetch(key: Any, level: int) -> bytes:
             blob = self.store.get(blob_key(key, level))
@@ -443,11 +449,7 @@ class KVEngine:
 
         A blob's checksums and fingerprint say nothing of a forged, well-formed blob of
         another shape; used as is it would crash the concatenation or the model."""
-        cfg = self.model.config
-        text_cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-        heads = getattr(text_cfg, "num_key_value_heads", None) or text_cfg.num_attention_heads
-        head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
-        want = (text_cfg.num_hidden_layers, heads, head_dim)
+        want = self.kv_geometry
         if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != want:
             raise CacheGenFormatError(f"{what} decoded to KV of shape {kv.shape}, the model's is (layers, kv heads, head dim) = {want}")
         return kv
