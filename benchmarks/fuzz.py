@@ -28,16 +28,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def structured(inputs: int, seconds: float, seed: int, trace_every: int, quiet: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run the structured fuzzer; (JSON rows, findings)."""
+def structured(
+    inputs: int, seconds: float, seed: int, trace_every: int, quiet: bool, artifacts: Path
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run the structured fuzzer; (JSON rows, findings). Findings are also written as they come."""
     from tests.fuzz import harness as H  # noqa: PLC0415
 
     def progress(rep: Any) -> None:
+        if rep.findings:
+            (artifacts / "findings.jsonl").write_text("".join(json.dumps(f) + "\n" for f in rep.findings))
         if not quiet:
             print(f"# {rep.inputs} inputs, {rep.seconds:.0f}s, findings {len(rep.findings)}", file=sys.stderr, flush=True)
 
     H.warm_up()
     rep = H.run(inputs, seconds, seed=seed, trace_every=trace_every, progress=progress)
+    prof = H.run_profiles(max(200, inputs // 20), seed=seed)
+    rep.targets["profile-file"] = prof
     rows = [{"target": name, **t.summary()} for name, t in rep.targets.items()]
     s = rep.summary()
     rows.append({"target": "total", "inputs": s["inputs"], "seconds": s["seconds"], "inputs_per_s": s["inputs_per_s"],
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     artifacts.mkdir(parents=True, exist_ok=True)
     bad = 0
     if args.inputs > 0:
-        rows, findings = structured(args.inputs, args.seconds, args.seed, args.trace_every, args.quiet)
+        rows, findings = structured(args.inputs, args.seconds, args.seed, args.trace_every, args.quiet, artifacts)
         for row in rows:
             print(json.dumps(row), flush=True)
         if findings:

@@ -892,8 +892,10 @@ def run(
                     res = check_codec(s.codec, data, expected=s.kv, forged=forged, hang_s=hang_s, trace=trace)
                     stats["codec"].add(res, mut, data, s.name)
             done += 1
-            if progress is not None and done % 5000 == 0:
+            if progress is not None and done % 2000 == 0:
                 progress(FuzzReport(stats, time.perf_counter() - start, len(seeds), names, _max_rss_mb() - rss0))
+    except KeyboardInterrupt:  # an interrupted run still reports what it found
+        pass
     finally:
         if tracing:
             tracemalloc.stop()
@@ -911,3 +913,114 @@ def seed_outcomes(seeds: Sequence[Seed]) -> list[str]:
             bad.append(f"{s.name}: container rejected")
     return bad
 
+
+
+# ----------------------------------------------------------------- profile files
+def profile_file_cases(rng: random.Random, directory: Any, n: int) -> Iterator[tuple[str, Any]]:
+    """``n`` damaged or forged profile files (safetensors tables + JSON metadata) written to ``directory``.
+
+    Structured ones rewrite the metadata (missing keys, odd JSON types and values, deep
+    nesting, huge numbers) or the table array (dtype, shape, values) through safetensors
+    itself; raw ones flip, cut or splice the file's bytes."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from safetensors.numpy import save_file  # noqa: PLC0415
+
+    _, codec, _ = make_codecs(0)[2]
+    prof = codec.profile
+    assert prof is not None
+    directory = Path(directory)
+    good = directory / "good.safetensors"
+    prof.save(good)
+    raw = good.read_bytes()
+    for i in range(n):
+        path = directory / f"case-{i}.safetensors"
+        meta: Any = json.loads(json.dumps(prof.meta))
+        freqs = prof.freqs.astype(np.uint16)
+        r = rng.random()
+        if r < 0.4:
+            path_ = rng.choice(_paths(meta)[1:])
+            if rng.random() < 0.2:
+                meta.pop(path_[0], None)
+            else:
+                meta = _set(meta, path_, _odd_value(rng, _get(meta, path_)))
+            text = json.dumps(meta)
+        elif r < 0.5:
+            text = rng.choice(["[" * 100_000 + "]" * 100_000, '{"format": 1' + "0" * 5000 + "}", "null", "[]", '{"a":',
+                               json.dumps(meta).replace('"channels": ', '"channels": 1e999, "x": ')])  # fmt: skip
+        else:
+            text = json.dumps(meta)
+        if 0.5 <= r < 0.7:
+            g = np.random.default_rng(rng.randrange(2**32))
+            k = rng.randrange(5)
+            if k == 0:
+                freqs = freqs.astype(rng.choice([np.uint8, np.int32, np.float32, np.uint32]))
+            elif k == 1:
+                freqs = freqs[: max(0, freqs.shape[0] - rng.randint(1, 3))]
+            elif k == 2:
+                freqs = freqs.reshape(-1)
+            elif k == 3:
+                freqs = freqs.copy()
+                freqs[g.integers(freqs.shape[0]), g.integers(freqs.shape[1])] = rng.choice([0, 1, 65535])
+            else:
+                freqs = g.integers(0, 65536, freqs.shape).astype(np.uint16)
+        try:
+            save_file({"freqs": np.ascontiguousarray(freqs)}, str(path), metadata={"cachegen_profile": text})
+        except Exception:  # safetensors refuses to write it: write the raw good file instead
+            path.write_bytes(raw)
+        if r >= 0.7:  # raw damage to the file bytes
+            b = bytearray(path.read_bytes())
+            _raw_edit(rng, b, raw)
+            path.write_bytes(bytes(b))
+        yield f"profile-{'meta' if r < 0.5 else 'tables' if r < 0.7 else 'raw'}", path
+
+
+def check_profile_file(path: Any, seeds: Sequence[Seed]) -> Result:
+    """What the library does with a profile file, step by step: ``Profile.load``; the checks of
+    ``find_profile`` (its model fingerprint and codec id); ``KVCodec(config, profile)`` (a
+    ``ValueError`` for a profile of another codec is its documented answer); decoding the
+    profile seed blobs. Each step must end in a value or ``CacheGenFormatError``."""
+    cfg = next(s.codec.config for s in seeds if s.name.startswith("profile/"))
+
+    def body() -> str:
+        try:
+            prof = Profile.load(path)
+            _ = (prof.model_fingerprint == FINGERPRINT, prof.codec_id == cfg.codec_id)
+        except CacheGenFormatError:
+            return "rejected"
+        try:
+            codec = KVCodec(cfg, prof, fingerprint=FINGERPRINT, max_tokens=MAX_TOKENS, limits=LIMITS)
+        except (CacheGenFormatError, ValueError):
+            return "rejected"
+        for s in seeds:
+            if s.name.startswith("profile/"):
+                try:
+                    codec.decode(s.blob)
+                except CacheGenFormatError:
+                    pass
+        return "decoded"
+
+    value, exc, res = run_one(body, 64 << 20, 2.0, 20.0, True)
+    if res.outcome:
+        return res
+    if exc is not None:
+        res.outcome, res.detail = "crash", f"{type(exc).__name__}: {exc}"[:300]
+    else:
+        res.outcome = value
+    return res
+
+
+def run_profiles(n: int, seed: int = 0, seeds: Sequence[Seed] | None = None) -> TargetStats:
+    """``n`` damaged or forged profile files through ``check_profile_file``."""
+    import tempfile  # noqa: PLC0415
+
+    seeds = list(seeds) if seeds is not None else make_seeds(seed)
+    stats = TargetStats()
+    with tempfile.TemporaryDirectory(prefix="cachegen-fuzz-profile-") as d:
+        for name, path in profile_file_cases(random.Random(seed), d, n):
+            res = check_profile_file(path, seeds)
+            if res.outcome == "crash":
+                res.detail += f" [{name}]"
+            stats.add(res, name)
+            path.unlink()
+    return stats
