@@ -47,7 +47,6 @@ if str(ROOT) not in sys.path:
 
 from cachegen_core.chunks import blob_key  # noqa: E402
 from cachegen_core.engine import KVEngine  # noqa: E402
-from cachegen_core.errors import StoreError  # noqa: E402
 from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: E402
 
 CHUNK = 64
@@ -66,7 +65,7 @@ class Bench:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def tiny(cls, seed: int = 0) -> "Bench":
+    def tiny(cls, seed: int = 0) -> Bench:
         from tests.conftest import make_tiny_llama, make_tiny_tokenizer  # noqa: PLC0415
 
         return cls(make_tiny_llama(seed), make_tiny_tokenizer())
@@ -308,7 +307,7 @@ def scenario_foreign_blob(bench: Bench, n: int = 3) -> dict[str, Any]:
             eng.generate(text, max_new_tokens=1)  # stores our chunks
             foreign = other.engine(MemoryStore())
             kv = foreign.calculate_kv(text)
-            plant(eng, text, lambda j, _: foreign.codec.encode(kv.slice(j * CHUNK, (j + 1) * CHUNK), 0), range(3))
+            plant(eng, text, lambda j, _, f=foreign, kv=kv: f.codec.encode(kv.slice(j * CHUNK, (j + 1) * CHUNK), 0), range(3))
             tally.ask(bench, eng, text, bad_chunks=0)
     return tally.row(w)
 
@@ -329,7 +328,7 @@ def scenario_other_codec_blob(bench: Bench, n: int = 3) -> dict[str, Any]:
             cfg = CodecConfig(group_size=5) if i % 2 == 0 else CodecConfig()
             prof = None if i % 2 == 0 else Profile.fit(cfg, [kv], chunk_tokens=CHUNK, model_fingerprint=eng.fingerprint)
             other = KVCodec(cfg, prof, fingerprint=eng.fingerprint)  # same model, other codec or profile
-            plant(eng, text, lambda j, _: other.encode(kv.slice(j * CHUNK, (j + 1) * CHUNK), 0), range(3))
+            plant(eng, text, lambda j, _, o=other, kv=kv: o.encode(kv.slice(j * CHUNK, (j + 1) * CHUNK), 0), range(3))
             tally.ask(bench, eng, text, bad_chunks=0)
     return tally.row(w)
 
@@ -521,7 +520,7 @@ def scenario_read_only_dir(bench: Bench | None = None) -> dict[str, Any]:
         script.write_text(_READ_ONLY_SCRIPT)
         os.chmod(tmp, 0o755)
         os.chmod(script, 0o644)
-        proc = subprocess.run([sys.executable, str(script), str(ROOT)], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, str(script), str(ROOT)], check=False, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         return {"scenario": "read-only cache dir", "inputs": 0, "crashes": 1, "hangs": 0, "wrong_kv_accepted": 0,
@@ -683,7 +682,11 @@ ENGINE_SCENARIOS: dict[str, Callable[[Bench], dict[str, Any]]] = {
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer fuzz inputs (2000 instead of 20000; the 100k run is benchmarks.fuzz), shorter libFuzzer run")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer fuzz inputs (2000 instead of 20000; the 100k run is benchmarks.fuzz), shorter libFuzzer run",
+    )
     ap.add_argument("--only", nargs="*", default=None, help="scenario names (or prefixes) to run")
     ap.add_argument("--fuzz-inputs", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)

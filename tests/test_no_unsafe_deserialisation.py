@@ -32,17 +32,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("cachegen_core", "langchain_cachegen")
 ALSO_SCANNED = ("benchmarks", "examples", "tests")
 
-BANNED_MODULES = frozenset(
-    {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "jsonpickle", "marshal", "shelve"}
-)
+BANNED_MODULES = frozenset({"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "jsonpickle", "marshal", "shelve"})
 BANNED_BUILTINS = frozenset({"eval", "exec", "compile"})
-BANNED_CALLS = frozenset(
-    {"torch.load", "torch.jit.load", "torch.serialization.load", "pandas.read_pickle", "yaml.unsafe_load",
-     "yaml.full_load", "numpy.lib.format.read_array"}  # fmt: skip
-)
+BANNED_CALLS = frozenset({
+    "torch.load", "torch.jit.load", "torch.serialization.load", "pandas.read_pickle", "yaml.unsafe_load",
+    "yaml.full_load", "numpy.lib.format.read_array",
+})  # fmt: skip
 SAFE_YAML_LOADERS = frozenset({"yaml.SafeLoader", "yaml.CSafeLoader", "yaml.BaseLoader"})
-DISKCACHE_CACHES = frozenset({"diskcache.Cache", "diskcache.FanoutCache", "diskcache.Index", "diskcache.Deque",
-                              "diskcache.core.Cache", "diskcache.fanout.FanoutCache"})  # fmt: skip
+DISKCACHE_CACHES = frozenset({
+    "diskcache.Cache", "diskcache.FanoutCache", "diskcache.Index", "diskcache.Deque", "diskcache.core.Cache",
+    "diskcache.fanout.FanoutCache",
+})  # fmt: skip
 
 
 class _Scanner(ast.NodeVisitor):

@@ -10,21 +10,17 @@ token), no torn blob read under concurrency, queued writes flushed or reported.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import robustness as R
-from cachegen_core.engine import KVEngine
 from cachegen_core.errors import StoreError
 from cachegen_core.stores import DiskCacheStore, MemoryStore
-from tests.conftest import make_tiny_llama
 from tests.redis_fixture import redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,7 +215,7 @@ def test_interpreter_exit_with_queued_writes(tmp_path, cap):
     store = tmp_path / "kv"
     script = tmp_path / "exit.py"
     script.write_text(_EXIT_SCRIPT.format(root=str(ROOT), delay=0.5, cap=cap, store=str(store)))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     queued, written_before_exit = map(int, proc.stdout.split()[1:3])
     assert queued == 4 and written_before_exit < 4

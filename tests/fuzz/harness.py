@@ -40,9 +40,10 @@ import time
 import tracemalloc
 import zlib
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,7 +102,11 @@ def _tiny_kvs(seed: int) -> list[KVCache]:
     """Small KV caches with KV-like structure (smooth keys, noisy values), odd token counts."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for layers, heads, tokens, dim, dtype in ((2, 2, 23, 4, torch.float32), (3, 1, 41, 8, torch.float16), (1, 2, 1, 4, torch.bfloat16)):
+    for layers, heads, tokens, dim, dtype in (
+        (2, 2, 23, 4, torch.float32),
+        (3, 1, 41, 8, torch.float16),
+        (1, 2, 1, 4, torch.bfloat16),
+    ):
         k = torch.randn(layers, heads, tokens, dim, generator=g).cumsum(2) * 0.3
         v = torch.randn(layers, heads, tokens, dim, generator=g)
         out.append(KVCache(k.to(dtype), v.to(dtype)))
@@ -321,7 +326,11 @@ def mutate_sections(rng: random.Random, blob: bytes) -> bytes:
     elif r < 0.7:
         arr = arr.astype(rng.choice([np.uint8, np.int32, np.float32]))
     elif r < 0.8:
-        arr = arr.reshape(-1)[: max(0, arr.size - rng.randint(1, 3))] if rng.random() < 0.5 else np.concatenate([arr.reshape(-1), arr.reshape(-1)[:3]])
+        arr = (
+            arr.reshape(-1)[: max(0, arr.size - rng.randint(1, 3))]
+            if rng.random() < 0.5
+            else np.concatenate([arr.reshape(-1), arr.reshape(-1)[:3]])
+        )
     elif r < 0.9:
         p.sections[rng.choice(["extra", name + "_", "tables"])] = arr
     else:
@@ -538,7 +547,9 @@ def _consistent(kv: KVCache, header: dict[str, Any], max_tokens: int) -> str:
     return ""
 
 
-def run_one(fn: Callable[[], Any], bound: int, hang_s: float, hard_s: float, trace: bool) -> tuple[Any, BaseException | None, Result]:
+def run_one(
+    fn: Callable[[], Any], bound: int, hang_s: float, hard_s: float, trace: bool
+) -> tuple[Any, BaseException | None, Result]:
     """Run ``fn`` under the time and allocation watch; return (value, exception, partial result)."""
     started = trace and not tracemalloc.is_tracing()
     if started:
@@ -569,7 +580,7 @@ def run_one(fn: Callable[[], Any], bound: int, hang_s: float, hard_s: float, tra
 
 def check_container(data: bytes, *, hang_s: float = 2.0, hard_s: float = 20.0, trace: bool = True) -> Result:
     """``format.unpack``: a ``Container`` or ``CacheGenFormatError``, quickly, within the bound."""
-    value, exc, res = run_one(lambda: unpack(data, LIMITS), 8 * len(data) + (4 << 20), hang_s, hard_s, trace)
+    _, exc, res = run_one(lambda: unpack(data, LIMITS), 8 * len(data) + (4 << 20), hang_s, hard_s, trace)
     if res.outcome:
         return res
     if exc is None:
@@ -687,8 +698,12 @@ def coder_case(rng: random.Random, coder: Any, others: Sequence[Any]) -> CoderCa
     # symbols drawn from their own tables, so that peaked tables give long cheap runs
     cdf = np.cumsum(freqs, axis=1) / float(1 << 16)
     n = int(offsets[-1])
-    table_of = np.concatenate([np.resize(tids[s], int(counts[s])) for s in range(n_streams)]) if n else np.zeros(0, dtype=np.int32)
-    symbols = (cdf[table_of] < g.random((n, 1))).sum(axis=1).clip(0, alphabet - 1).astype(np.uint8) if n else np.zeros(0, np.uint8)
+    table_of = (
+        np.concatenate([np.resize(tids[s], int(counts[s])) for s in range(n_streams)]) if n else np.zeros(0, dtype=np.int32)
+    )
+    symbols = (
+        (cdf[table_of] < g.random((n, 1))).sum(axis=1).clip(0, alphabet - 1).astype(np.uint8) if n else np.zeros(0, np.uint8)
+    )
     enc = rng.choice(list(others)) if others and rng.random() < 0.15 else coder
     payloads = enc.encode(symbols, layout, freqs)
     what = f"n_streams={n_streams} symbols={n} period={period} alphabet={alphabet} by={enc.name}"
@@ -752,7 +767,10 @@ def check_coder(coder: Any, case: CoderCase, *, hang_s: float = 2.0, hard_s: flo
             res.outcome, res.detail = "crash", f"{type(exc).__name__}: {exc} [{case.what}]"[:300]
         return res
     if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (n,):
-        res.outcome, res.detail = "wrong_kv_accepted", f"decode returned {type(out).__name__} {getattr(out, 'shape', '')} [{case.what}]"
+        res.outcome, res.detail = (
+            "wrong_kv_accepted",
+            f"decode returned {type(out).__name__} {getattr(out, 'shape', '')} [{case.what}]",
+        )
     elif out.size and int(out.max()) >= case.alphabet:
         res.outcome, res.detail = "wrong_kv_accepted", f"symbol {int(out.max())} outside the alphabet [{case.what}]"
     elif case.expect is not None and not np.array_equal(out, case.expect):
@@ -912,7 +930,6 @@ def seed_outcomes(seeds: Sequence[Seed]) -> list[str]:
         if check_container(s.blob, trace=False).outcome != "decoded":
             bad.append(f"{s.name}: container rejected")
     return bad
-
 
 
 # ----------------------------------------------------------------- profile files

@@ -39,7 +39,7 @@ def build(out_dir: Path) -> tuple[Path | None, str]:
         return None, "native coder sources not found"
     exe = out_dir / "native_decode_fuzzer"
     cmd = [cxx, *FLAGS, "-I", str(ROOT / "csrc"), str(TARGET), *map(str, SOURCES), "-o", str(exe)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode:
         return None, f"build failed: {proc.stderr[-1500:]}"
     return exe, ""
@@ -61,7 +61,7 @@ def run(seconds: float, *, runs: int = -1, workdir: Path | None = None, seed: in
                 f"-artifact_prefix={workdir}/", str(corpus)]  # fmt: skip
         env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1", "UBSAN_OPTIONS": "print_stacktrace=1"}
         t = time.perf_counter()
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 120, env=env)
+        proc = subprocess.run(args, check=False, capture_output=True, text=True, timeout=seconds + 120, env=env)
         log = proc.stdout + proc.stderr
         done = re.search(r"Done (\d+) runs", log)
         execs = re.search(r"stat::number_of_executed_units:\s*(\d+)", log)
@@ -71,7 +71,8 @@ def run(seconds: float, *, runs: int = -1, workdir: Path | None = None, seed: in
             "available": True,
             "inputs": inputs,
             "seconds": round(time.perf_counter() - t, 1),
-            "crashes": sum(a.startswith(("crash-", "leak-", "oom-")) for a in artifacts) or int(proc.returncode != 0 and not artifacts),
+            "crashes": sum(a.startswith(("crash-", "leak-", "oom-")) for a in artifacts)
+            or int(proc.returncode != 0 and not artifacts),
             "hangs": sum(a.startswith("timeout-") for a in artifacts),
             "returncode": proc.returncode,
             "artifacts": artifacts,
