@@ -125,8 +125,8 @@ class KVCodec:
     # ---------------------------------------------------------------- encoding
     def encode(self, kv: KVCache, level: int | None = None) -> bytes:
         """Compress ``kv`` (one chunk, any token count >= 1) at ``level`` into a blob."""
-        blob, _ = self.encode_with_stats(kv, level)
-        return blob
+        p = self.prepare(kv, level)
+        return self._pack(p, self.coder.encode(p.symbols, p.layout, p.freqs))
 
     def prepare(self, kv: KVCache, level: int | None = None) -> "Prepared":
         """Quantise ``kv`` and lay out its symbols for the coder (everything ``encode`` does but coding)."""
@@ -151,6 +151,10 @@ class KVCodec:
         """``encode`` plus where the bits went: coded and ideal bits per stream group."""
         p = self.prepare(kv, level)
         payloads = self.coder.encode(p.symbols, p.layout, p.freqs)
+        blob = self._pack(p, payloads)
+        return blob, _stats(blob, payloads, p.symbols, p.layout, p.freqs, p.geometry)
+
+    def _pack(self, p: "Prepared", payloads: list[bytes]) -> bytes:
         header = {
             "codec": "cachegen",
             "codec_id": self.codec_id,
@@ -163,8 +167,7 @@ class KVCodec:
             "dtype": p.dtype,
             "tables": "inline" if self.profile is None else "profile",
         }
-        blob = pack(header, p.sections, payloads)
-        return blob, _stats(blob, payloads, p.symbols, p.layout, p.freqs, p.geometry)
+        return pack(header, p.sections, payloads)
 
     def _check_kv(self, kv: KVCache) -> None:
         if kv.num_tokens < 1:
