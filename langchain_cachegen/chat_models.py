@@ -70,12 +70,15 @@ class ChatCacheGen(BaseChatModel):
         chunk_tokens: int = 1536,
         profile: Any = "auto",
         background: bool = True,
+        slo_s: float | None = None,
+        estimator: str = "harmonic",
         **kwargs: Any,
     ) -> "ChatCacheGen":
         """Load a local transformers directory, a ``.gguf`` file or the bundled reference model by short name."""
         engine = KVEngine.from_pretrained(
-            model_id, store=store, profile=profile, level=level, chunk_tokens=chunk_tokens, background=background
-        )
+            model_id, store=store, profile=profile, level=level, chunk_tokens=chunk_tokens, background=background,
+            slo_s=slo_s, estimator=estimator,
+        )  # fmt: skip
         return cls(engine=engine, model_id=str(model_id), **kwargs)
 
     @property

@@ -79,6 +79,8 @@ class CacheGenLLM(BaseLLM):
         chunk_tokens: int = 1536,
         profile: Any = "auto",
         background: bool = True,
+        slo_s: float | None = None,
+        estimator: str = "harmonic",
         generation_kwargs: dict[str, Any] | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
@@ -91,6 +93,8 @@ class CacheGenLLM(BaseLLM):
             level=level,
             chunk_tokens=chunk_tokens,
             background=background,
+            slo_s=slo_s,
+            estimator=estimator,
             **(engine_kwargs or {}),
         )
         gen = {"max_new_tokens": 256, **(generation_kwargs or {})}

@@ -130,3 +130,17 @@ def _shared_engine():
     if _ENGINE is None:
         _ENGINE = KVEngine(make_tiny_llama(), make_tiny_tokenizer(), store=MemoryStore(), chunk_tokens=CHUNK, background=False)
     return _ENGINE
+
+
+def test_from_model_id_loads_a_local_dir_with_streaming_options(tiny_llama, tiny_tokenizer, tmp_path):
+    tiny_llama.save_pretrained(tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    llm = CacheGenLLM.from_model_id(tmp_path / "m", store=MemoryStore(), chunk_tokens=CHUNK, level=1, slo_s=2.0,
+                                    estimator="last", background=False, generation_kwargs={"max_new_tokens": 3})  # fmt: skip
+    assert (llm.engine.slo_s, llm.engine.estimator_name, llm.engine.level, llm.engine.chunk_tokens) == (2.0, "last", 1, CHUNK)
+    prompt = words(40, 2 * CHUNK + 2)
+    llm.invoke(prompt)
+    info = llm.generate([prompt]).generations[0][0].generation_info
+    assert info["cached_tokens"] == 2 * CHUNK and len(info["stream"]) == 2
+    chat = ChatCacheGen.from_model_id(tmp_path / "m", store=MemoryStore(), slo_s=1.0, background=False)
+    assert chat.engine.slo_s == 1.0
