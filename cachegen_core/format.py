@@ -17,7 +17,7 @@ The header lists every section with its dtype, shape and CRC-32, the number of
 substreams and the CRC-32 of the stream table. Every length and count is checked
 against the blob's real size and against ``Limits`` before anything is allocated,
 and every failure raises ``CacheGenFormatError`` saying what is wrong. Nothing is
-ever unpickled: sections are raw little-endian arrays of an allow-listed dtype.
+ever deserialised as objects: sections are raw little-endian arrays of an allow-listed dtype.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One table per (K/V, layer, channel) for anchors (shared by every level, since anchors
 are quantised the same way at every level) and one per (level, K/V, layer, channel)
 for deltas, fitted offline on real contexts of the model and shared by every cache of
-that model. Saved as safetensors (tables) + JSON metadata: no pickle. Its id is a hash
+that model. Saved as safetensors (tables) + JSON metadata: no object serialisation. Its id is a hash
 of its content, so a blob coded with one profile can never be decoded with another.
 """
 

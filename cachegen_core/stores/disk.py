@@ -3,8 +3,8 @@
 Values are stored as raw bytes (small ones inline in SQLite, larger ones in files
 that are fully written before the row pointing at them is committed), so a reader
 sees a whole blob or nothing. The ``Disk`` used here refuses to store or load
-anything but ``str`` keys and ``bytes`` values: a pickled row planted in the cache
-directory is rejected, never unpickled, and a file-backed value must lie inside the
+anything but ``str`` keys and ``bytes`` values: a serialised-object row planted in the cache
+directory is rejected, never deserialised, and a file-backed value must lie inside the
 directory and be no larger than ``max_value_bytes``.
 """
 
@@ -41,7 +41,7 @@ class UnsafeEntryError(Exception):
 
 
 class _BytesDisk(diskcache.Disk):
-    """diskcache ``Disk`` that only handles str keys and bytes values: no pickle, ever."""
+    """diskcache ``Disk`` that only handles str keys and bytes values: no object deserialisation, ever."""
 
     max_value_bytes: int | None = None
 
@@ -51,7 +51,7 @@ class _BytesDisk(diskcache.Disk):
         return super().put(key)
 
     def get(self, key: Any, raw: bool) -> Any:
-        # A pickled or bytes key was not written by us: report it as None, never unpickle it.
+        # A serialised-object or bytes key was not written by us: report it as None, never deserialise it.
         return key if raw and isinstance(key, str) else None
 
     def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> Any:
@@ -76,7 +76,7 @@ class _BytesDisk(diskcache.Disk):
             with open(path, "rb") as f:  # OSError here reads as "deleted meanwhile": a miss
                 self._check_size(os.fstat(f.fileno()).st_size)
                 return f.read()
-        raise UnsafeEntryError(f"entry of mode {mode} is not a plain bytes value (refused, not unpickled)")
+        raise UnsafeEntryError(f"entry of mode {mode} is not a plain bytes value (refused, not deserialised)")
 
     def _check_size(self, n: int) -> None:
         if self.max_value_bytes is not None and n > self.max_value_bytes:
