@@ -15,7 +15,10 @@ budget of later chunks on this one, so any estimate error lands on the last chun
 no slack left; the same-option rule keeps the slack, and because it re-plans before every
 chunk, time saved early is spent later (quality rises towards the end of the stream). It is
 also self-consistent: if the estimate holds, the option chosen now stays feasible for the
-next chunk, so the plan never corners itself into a predicted miss.
+next chunk, so the plan never corners itself into a predicted miss. One exception to the
+quality order: text is lossless, so a feasible level predicted to finish *later* than text is
+dominated and text is taken instead (on a link so slow that recomputing is faster, the
+stream is never slower than recomputing, whatever slack the SLO leaves).
 
 The prediction is a two-stage pipeline, as :func:`stream_chunks` runs it: the link fetches
 chunks back to back, the compute stage decodes chunk k once it has arrived and chunk k-1 is
@@ -34,6 +37,7 @@ distinct chunk fetched and decoded once.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -194,15 +198,19 @@ def choose(
     if slo_s is None:
         return Decision(ordered[0], bandwidth, finish(ordered[0]), True)
     budget = elapsed_s + safety * max(slo_s - elapsed_s, 0.0)
-    candidates: list[Option] = [*ordered, TEXT] if allow_text else list(ordered)
+    text_finish = finish(TEXT) if allow_text else math.inf
     fastest: tuple[float, Option] | None = None
-    for opt in candidates:
+    for opt in ordered:
         f = finish(opt)
         if f <= budget:
+            if text_finish < f:  # text is lossless: a level that would finish later is dominated
+                return Decision(TEXT, bandwidth, text_finish, True)
             return Decision(opt, bandwidth, f, True)
         if fastest is None or f < fastest[0]:
             fastest = (f, opt)
     assert fastest is not None
+    if text_finish <= budget or text_finish < fastest[0]:  # inf when text is not allowed
+        return Decision(TEXT, bandwidth, text_finish, text_finish <= budget)
     return Decision(fastest[1], bandwidth, fastest[0], False)
 
 

@@ -108,7 +108,7 @@ def test_first_chunk_uses_the_medium_level_and_no_slo_the_best():
 def test_degrades_level_by_level_then_text():
     picks = []
     for bw in (100 * MB, 12 * MB, 9 * MB, 5 * MB, 0.5 * MB):
-        d = choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=bw, prefill_s_per_token=1e-4, safety=1.0)
+        d = choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=bw, prefill_s_per_token=2e-4, safety=1.0)
         assert d.feasible and d.predicted_finish_s <= 1.0 and d.estimate_bps == bw
         picks.append(d.option)
     assert picks == [0, 1, 2, 3, TEXT]
@@ -118,6 +118,20 @@ def test_degrades_level_by_level_then_text():
     # text disallowed: the coarsest level, flagged as a predicted miss
     d = choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=0.5 * MB, prefill_s_per_token=1e-4, allow_text=False)
     assert not d.feasible and d.option == 3
+
+
+def test_text_wins_over_a_feasible_level_that_would_finish_later():
+    # 3 chunks, text 3 * 1536 * 1e-4 = 0.46 s; at 12 MB/s level 1 (3 MB each) takes 0.76 s:
+    # both fit the 1 s SLO, text is lossless and sooner, so it is taken
+    kw = dict(levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=12 * MB, safety=1.0)
+    d = choose(costs(3), prefill_s_per_token=1e-4, **kw)
+    assert d.option == TEXT and d.feasible and d.predicted_finish_s == pytest.approx(3 * 1536 * 1e-4)
+    # slower prefill (0.92 s): level 1 finishes first and keeps the pick
+    assert choose(costs(3), prefill_s_per_token=2e-4, **kw).option == 1
+    # without text, the level
+    assert choose(costs(3), prefill_s_per_token=1e-4, allow_text=False, **kw).option == 1
+    # no SLO: the best level, as before, even where text would be faster
+    assert choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=None, bandwidth=1 * MB, prefill_s_per_token=1e-6).option == 0
 
 
 def test_batch_size_scales_the_expected_delay():
@@ -165,19 +179,24 @@ def test_never_picks_a_predicted_miss_when_an_option_fits(remaining, bw, slo, el
         assert finish[d.option] <= slo  # never a predicted miss when something meets the SLO
     budget = elapsed + safety * max(slo - elapsed, 0)
     fits = [o for o in RANK if finish[o] <= budget]
-    if fits:  # the best-quality option that fits the budget
-        assert d.feasible and d.option == min(fits, key=RANK.__getitem__)
+    if fits:  # the best-quality option that fits the budget, unless text fits and finishes sooner (it is lossless)
+        best = min(fits, key=RANK.__getitem__)
+        assert d.feasible and d.option == (TEXT if finish[TEXT] < finish[best] else best)
     else:
         assert not d.feasible and finish[d.option] == min(finish.values())
 
 
 @settings(max_examples=200, deadline=None)
 @given(**situation, drop=st.floats(0.01, 1.0))
-def test_a_slower_link_never_raises_the_quality(remaining, bw, slo, elapsed, busy, prefill, n, safety, drop):
+def test_a_slower_link_never_picks_a_finer_level(remaining, bw, slo, elapsed, busy, prefill, n, safety, drop):
     kw = dict(levels=LEVELS, elapsed_s=elapsed, slo_s=slo, prefill_s_per_token=prefill, n_requests=n, busy_s=busy, safety=safety)
     fast, slow = choose(remaining, bandwidth=bw, **kw), choose(remaining, bandwidth=bw * drop, **kw)
-    if slow.feasible:
-        assert RANK[slow.option] >= RANK[fast.option]
+    if slow.feasible and TEXT not in (fast.option, slow.option):
+        assert slow.option >= fast.option
+    if fast.option == TEXT and fast.feasible:  # text does not depend on the link: it still fits, so a level
+        assert slow.feasible  # replaces it only where that level finishes sooner
+        if slow.option != TEXT:
+            assert slow.predicted_finish_s <= fast.predicted_finish_s
 
 
 # ------------------------------------------------------------------ the controller on traces (simulated)
@@ -247,10 +266,12 @@ def test_real_traces_meet_a_slo_that_text_meets():
 
 
 def test_link_drop_degrades_to_lower_levels_then_text():
-    cs = seven_b_chunks(12)
+    cs = seven_b_chunks(20)
     # 10 Gbit/s, then 2, then 0.5: the best level first, a coarser one as the drop shows, then text
     link = TraceLink([10.0] * 3 + [2.0] * 3 + [0.5] * 100, slice_s=0.1)
-    controller = Controller(LEVELS, slo_s=2.0, prefill_s_per_token=1e-5)  # text: 15 ms per chunk
+    # text: 0.18 s per chunk, slower than level 3 at 2 Gbit/s (0.1 s), faster than any level at 0.5 (>= 0.4 s);
+    # once text is in use, a text chunk's prefill hides the next chunk's fetch, so the two alternate
+    controller = Controller(LEVELS, slo_s=2.0, prefill_s_per_token=1.2e-4)
     finish, options = simulate(cs, controller, make_estimator("harmonic"), link)
     first_use = list(dict.fromkeys(options[1:]))  # after the medium first chunk
     assert [RANK[o] for o in first_use] == sorted(RANK[o] for o in first_use)  # quality only goes down
@@ -292,7 +313,7 @@ def test_driver_trace_records_estimates_and_throughput():
     cs = costs(4, tokens=10)
     fake = FakeLink(TraceLink([8 * 8e-3, 4 * 8e-3], slice_s=1000.0), lambda c, lv: cs[c].sizes[lv])  # 8 MB/s
     res = stream_chunks(range(4), cs, fetch=fake.fetch, decode=lambda blob, c, lv: (c, blob[0]), on_text=lambda c: (c, TEXT),
-                        controller=Controller(LEVELS, slo_s=60.0), estimator=HarmonicMeanEstimator(), clock=fake.clock)  # fmt: skip
+                        controller=Controller(LEVELS, slo_s=60.0, prefill_s_per_token=1.0), estimator=HarmonicMeanEstimator(), clock=fake.clock)  # fmt: skip
     assert res.parts == [(0, 2), (1, 0), (2, 0), (3, 0)]  # medium first, then the best level fits
     r0, r1 = res.trace[:2]
     assert r0.option == 2 and r0.estimate_bps is None and r0.predicted_finish_s is None
