@@ -214,7 +214,8 @@ class KVEngine:
         # Running measurements the controller plans with (priors until measured).
         self._bytes_per_token: dict[int, float] = {}
         self._decode_s_per_token: dict[int, float] = {}
-        self._prefill_s_per_token = 2e-3
+        self._prefill_s_per_token = 2e-3  # a prior, replaced by the first measurement
+        self._prefill_measured = False
         self._lock = threading.Lock()  # one model call at a time
         self._worker = _StoreWorker(self, queue_size) if background else None
         self._store_failing = False
@@ -458,6 +459,12 @@ class KVEngine:
     def _observe(table: dict[int, float], key: int, value: float, weight: float = 0.3) -> None:
         table[key] = value if key not in table else (1 - weight) * table[key] + weight * value
 
+    def _observe_prefill(self, per_token: float) -> None:
+        """Running prefill seconds per token: the first measurement replaces the prior."""
+        w = 0.3 if self._prefill_measured else 1.0
+        self._prefill_s_per_token = (1 - w) * self._prefill_s_per_token + w * per_token
+        self._prefill_measured = True
+
     @staticmethod
     def _level_of(blob: bytes) -> int:
         from .format import read_header  # noqa: PLC0415
@@ -474,7 +481,7 @@ class KVEngine:
             out = self.model(torch.tensor([ids], device=self.model.device), past_key_values=cache, use_cache=True)
         start = past.num_tokens if past is not None else 0
         kv = KVCache.from_dynamic_cache(out.past_key_values).slice(start)
-        self._prefill_s_per_token = 0.7 * self._prefill_s_per_token + 0.3 * (time.perf_counter() - t) / len(ids)
+        self._observe_prefill((time.perf_counter() - t) / len(ids))
         return KVCache(kv.keys.clone(), kv.values.clone())
 
     def generate_many(self, prompts: Sequence[str | Sequence[int]], **generation_kwargs: Any) -> list[tuple[str, GenerationInfo]]:
@@ -591,7 +598,7 @@ class KVEngine:
         if info.recomputed_tokens > 64 and timer.ttft is not None:
             per_token = (timer.ttft - info.fetch_s - info.decode_s) / info.recomputed_tokens
             if per_token > 0:
-                self._prefill_s_per_token = 0.7 * self._prefill_s_per_token + 0.3 * per_token
+                self._observe_prefill(per_token)
         return self.tokenizer.decode(new, skip_special_tokens=True), out.past_key_values
 
     def stream(self, prompt: str | Sequence[int], **generation_kwargs: Any) -> Iterator[str | GenerationInfo]:

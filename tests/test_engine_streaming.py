@@ -74,3 +74,13 @@ def test_batch_shares_fetched_chunks(tiny_llama, tiny_tokenizer):
     assert len(store.gets) == 2 + 3 and len(set(store.gets)) == 5
     for p, (text, _) in zip(prompts, results):
         assert text == e.generate(p, max_new_tokens=4)[0]
+
+
+def test_prefill_speed_prior_is_replaced_by_the_first_measurement(tiny_llama, tiny_tokenizer):
+    e = engine(tiny_llama, tiny_tokenizer, MemoryStore())
+    prior = e._prefill_s_per_token
+    e.generate(words(4, 3 * CHUNK), max_new_tokens=1)  # a miss: the whole prompt is prefilled and timed
+    first = e._prefill_s_per_token
+    assert first < 0.7 * prior  # the tiny model takes well under 1.4 ms a token: a blend with the prior could not
+    e._observe_prefill(first + 1.0)  # later measurements move it smoothly
+    assert e._prefill_s_per_token == first + 0.3
