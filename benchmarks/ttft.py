@@ -12,12 +12,16 @@ each chunk's option. ``--geometry 7b`` keeps the measured bits per element and d
 throughput but scales sizes to a 7B-shaped model (32 layers, 8 KV heads, head_dim 128)
 and uses ``--prefill-tokens-per-s``: a projection, labelled as such.
 
-One JSON line per (trace, policy, SLO), then one summary line per policy.
+One JSON line per (bandwidth scale, trace, policy, SLO), then one summary line per (scale,
+policy) with the SLO-met rates, TTFT percentiles, speedups against uniform8 and fp16 on the
+same runs, and the "text-best" check. ``benchmarks.ttft_live`` measures the same policies
+end to end through a real socket and reports this timeline's prediction error.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -249,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--tail-tokens", type=int, default=32, help="question tokens after the context, always prefilled")
     ap.add_argument("--slice-s", type=float, default=0.05, help="seconds per bandwidth sample")
-    ap.add_argument("--bandwidth-scale", type=float, default=1.0, help="multiply every trace sample (e.g. 0.1 for a slow WAN)")
+    ap.add_argument("--bandwidth-scale", type=float, nargs="+", default=[1.0],
+                    help="multiply every trace sample (e.g. 0.1 for a slow WAN); several values replay each on the same measurement")
     ap.add_argument("--geometry", choices=["smollm2", "7b"], default="smollm2")
     ap.add_argument("--prefill-tokens-per-s", type=float, default=None, help="7b projection: prefill speed of the 7B model")
     ap.add_argument("--decode-gsym-per-s", type=float, default=None,
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.geometry == "7b" and not args.prefill_tokens_per_s:
         ap.error("--geometry 7b needs --prefill-tokens-per-s (the 7B model's prefill speed on your GPU)")
     setup_threads()
-    traces = [[g * args.bandwidth_scale for g in r["bw_gbps"]] for r in read_jsonl(args.traces)]
+    base_traces = [r["bw_gbps"] for r in read_jsonl(args.traces)]
     rows: list[dict[str, Any]] = []
     for ctx in args.context_tokens:
         w = measure(args.model, ctx, args.chunk_tokens, args.tail_tokens, args.geometry, args.prefill_tokens_per_s, args.decode_gsym_per_s)
@@ -271,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
         text_time = simulate(w, Link([1.0], args.slice_s), "text", None, levels)["ttft_s"]
         policies = ["fp16", "uniform8", "text", *[f"cachegen-fixed-{lv}" for lv in levels], "cachegen-adaptive", "cachegen-adaptive-last"]
         quality = quality_of(Path(args.quality), ctx)
-        for ti, trace in enumerate(traces):
-            link = Link(trace, args.slice_s)
+        for scale, (ti, trace) in itertools.product(args.bandwidth_scale, enumerate(base_traces)):
+            link = Link([g * scale for g in trace], args.slice_s)
             for factor in (0.5, 1.0, 2.0):
                 slo = factor * text_time
                 for pol in policies:
@@ -280,17 +285,18 @@ def main(argv: list[str] | None = None) -> None:
                     q = [quality.get(o) for o in r.pop("options") if o not in (None,)]
                     row = {"trace": ti, "policy": pol, "slo_s": round(slo, 3), "slo_factor": factor, "ttft_s": r["ttft_s"],
                            "slo_met": r["ttft_s"] <= slo, "mean_level": r["mean_level"], "text_chunks": r["text_chunks"],
-                           "bytes": r["bytes"], "context_tokens": ctx, "geometry": args.geometry,
+                           "bytes": r["bytes"], "context_tokens": ctx, "geometry": args.geometry, "bandwidth_scale": scale,
                            "quality_proxy": round(float(np.mean(q)), 5) if q and None not in q else None}  # fmt: skip
                     if args.geometry == "7b" or args.decode_gsym_per_s:
                         row["projection"] = True
                     emit(row)
                     rows.append(row)
-    for summary in summarise(rows):
-        summary["geometry"] = args.geometry
-        emit(summary)
+    for scale in args.bandwidth_scale:
+        for summary in summarise([r for r in rows if r["bandwidth_scale"] == scale]):
+            emit({**summary, "geometry": args.geometry, "bandwidth_scale": scale})
     if args.plot:
-        plot([r for r in rows if r["context_tokens"] == args.context_tokens[0]], args.plot)
+        first = args.context_tokens[0], args.bandwidth_scale[0]
+        plot([r for r in rows if (r["context_tokens"], r["bandwidth_scale"]) == first], args.plot)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,23 @@ def test_summary_ratios_and_the_text_best_check():
     assert a["speedup_vs_fp16_1x"] == pytest.approx((4.0 * 8.0 / 1.02) ** 0.5, rel=1e-3)
     assert a["text_best_runs"] == 1 and a["over_text_max"] == pytest.approx(1.02)
     assert s["uniform8"]["speedup_vs_uniform8"] == 1.0 and s["text"]["over_text_max"] == 1.0
+
+
+def test_live_baseline_wire_formats_round_trip():
+    import torch
+
+    from benchmarks import baselines
+    from benchmarks.ttft_live import pack_fp16, pack_uniform8, unpack_fp16, unpack_uniform8
+    from cachegen_core.kv import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    kv = KVCache(torch.randn(3, 2, 17, 8, generator=g) * 4, torch.randn(3, 2, 17, 8, generator=g))
+    blob = pack_fp16(kv)
+    assert len(blob) == 2 * kv.num_elements
+    back = unpack_fp16(blob, tuple(kv.shape))
+    assert torch.equal(back.keys, kv.keys.half().float()) and torch.equal(back.values, kv.values.half().float())
+    blob8 = pack_uniform8(kv)
+    ref, nbytes = baselines.uniform(kv, 8)
+    assert len(blob8) == nbytes  # the size the quality benchmark counts
+    back8 = unpack_uniform8(blob8, tuple(kv.shape))
+    assert torch.allclose(back8.keys, ref.keys, atol=1e-5) and torch.allclose(back8.values, ref.values, atol=1e-5)
