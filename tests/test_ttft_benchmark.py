@@ -38,6 +38,10 @@ def test_adaptive_meets_a_feasible_slo_and_recomputes_on_a_dead_slow_link():
     # 1 MB/s: the medium first chunk (2 MB) is blind, after it text (0.1 s a chunk) beats every level
     slow = simulate(w, Link([0.008], 0.05), "cachegen-adaptive", 10.0, LEVELS)
     assert slow["options"] == [2] + [TEXT] * 5
+    # a warm engine (its estimator has seen this link) recomputes from the first chunk: as fast as text
+    warm = simulate(w, Link([0.008], 0.05), "cachegen-adaptive-warm", 10.0, LEVELS)
+    text = simulate(w, Link([0.008], 0.05), "text", None, LEVELS)
+    assert warm["options"] == [TEXT] * 6 and warm["ttft_s"] == pytest.approx(text["ttft_s"])
 
 
 def test_summary_ratios_and_the_text_best_check():
