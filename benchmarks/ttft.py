@@ -243,7 +243,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     width = 0.8 / len(policies)
     for k, pol in enumerate(policies):
         ys = [next(r["ttft_s"] for r in rows if r["trace"] == t and r["policy"] == pol) for t in traces]
-        ax.bar(np.arange(len(traces)) + k * width, ys, width, label=pol)
+        ax.bar(np.arange(len(traces)) + k * width, ys, width, label=pol, color=plt.cm.tab20(k % 20))
     slo = rows[0]["slo_s"]
     ax.axhline(slo, color="black", ls="--", lw=0.8, label="SLO (1x text)")
     ax.set_xticks(np.arange(len(traces)) + 0.4, [f"trace {t}" for t in traces])
