@@ -9,7 +9,7 @@ PIP := quiet() { "$$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a 
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test demo redis-server clean
+.PHONY: install test demo redis-server fuzz-tools clean
 
 $(STAMP): pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,16 @@ redis-server:
 	@command -v redis-server >/dev/null || { echo "==> installing redis-server"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
-test: install redis-server
+# clang with libFuzzer and the sanitizers, for tests/fuzz/test_native_libfuzzer.py; best effort
+# (without it that one test skips and says why)
+fuzz-tools:
+	@command -v clang++ >/dev/null || { echo "==> installing clang (libFuzzer + ASan/UBSan for the native fuzz test)"; \
+	  { $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq clang >/dev/null \
+	    && v=$$(clang --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -1) \
+	    && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq "libclang-rt-$$v-dev" >/dev/null 2>&1 || true; } \
+	  || echo "==> clang not installed: the libFuzzer test will be skipped"; }
+
+test: install redis-server fuzz-tools
 	$(PY) -m cachegen_core.cli model prepare
 	$(PY) -m pytest -q
 
