@@ -352,6 +352,18 @@ class KVEngine:
         return text.num_hidden_layers, heads, head_dim
 
     @property
+    def cost_model(self) -> dict[str, Any]:
+        """What the streaming controller plans with, as measured so far: bytes and decode
+        seconds per token for each level fetched, and prefill seconds per token (a 2 ms prior
+        until the first prefill is timed)."""
+        return {
+            "bytes_per_token": dict(self._bytes_per_token),
+            "decode_s_per_token": dict(self._decode_s_per_token),
+            "prefill_s_per_token": self._prefill_s_per_token,
+            "prefill_measured": self._prefill_measured,
+        }
+
+    @property
     def stream_levels(self) -> list[int]:
         """Levels the controller may fetch: ``level`` and every coarser stored level."""
         return sorted(lv for lv in self.store_levels if lv >= self.level)
