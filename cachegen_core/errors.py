@@ -17,3 +17,7 @@ class CoderError(CacheGenFormatError):
 
 class StoreError(CacheGenError):
     """A KV store could not complete an operation (server down, disk full, read-only...)."""
+
+
+class BlobMissing(StoreError):
+    """A blob the request looked for is not in the store (never written, evicted or expired): a miss, not a failure."""

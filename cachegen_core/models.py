@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .errors import CacheGenError
+from .paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,8 @@ class ModelConversionError(CacheGenError):
 
 
 def models_dir() -> Path:
-    """Where converted models live: ``$CACHEGEN_CACHE_DIR/models`` or the user cache's ``models``."""
-    from platformdirs import user_cache_dir  # noqa: PLC0415
-
-    return Path(os.environ.get("CACHEGEN_CACHE_DIR") or user_cache_dir("langchain-cachegen")) / "models"
+    """Where converted models live: ``models`` in the package's cache directory."""
+    return cache_dir("models")
 
 
 def is_reference_name(name: str | Path) -> bool:

@@ -22,6 +22,7 @@ from .coders.base import TOTAL_FREQ
 from .config import CodecConfig
 from .errors import CacheGenFormatError
 from .kv import KVCache
+from .paths import cache_dir
 from .quantize import ALPHABET
 
 PROFILE_FORMAT = "cachegen-profile-v1"
@@ -214,10 +215,8 @@ def _profile_id(freqs: np.ndarray, meta: dict[str, Any]) -> str:
 
 
 def profile_dir() -> Path:
-    """Where profiles live: the user cache, beside the converted models."""
-    from platformdirs import user_cache_dir  # noqa: PLC0415
-
-    return Path(user_cache_dir("langchain-cachegen")) / "profiles"
+    """Where profiles live: ``profiles`` in the package's cache directory, beside the converted models."""
+    return cache_dir("profiles")
 
 
 def default_profile_path(model_fingerprint: str, config: CodecConfig) -> Path:

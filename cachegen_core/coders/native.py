@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..errors import CoderError
+from ..paths import cache_dir
 from .base import StreamLayout, validate_freqs
 
 if TYPE_CHECKING:
@@ -51,19 +52,11 @@ def _describe(code: int) -> str:
     return _ERRORS.get(int(code), f"error {int(code)}")
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("CACHEGEN_CACHE_DIR"):
-        return Path(os.environ["CACHEGEN_CACHE_DIR"]) / "native"
-    from platformdirs import user_cache_dir  # noqa: PLC0415
-
-    return Path(user_cache_dir("langchain-cachegen")) / "native"
-
-
 def _compile_into_cache(source: str, command: list[str]) -> Path:
     """Build ``csrc/<source>`` once into the user cache (keyed by sources and command)."""
     src = CSRC / source
     key = src.read_bytes() + (CSRC / "rans_core.h").read_bytes() + " ".join(command).encode()
-    out = _cache_dir() / f"lib{src.stem}-{hashlib.blake2b(key, digest_size=8).hexdigest()}.so"
+    out = cache_dir("native") / f"lib{src.stem}-{hashlib.blake2b(key, digest_size=8).hexdigest()}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")

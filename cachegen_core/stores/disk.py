@@ -20,9 +20,9 @@ from typing import Any
 
 import diskcache
 from diskcache.core import MODE_BINARY, MODE_RAW
-from platformdirs import user_cache_dir
 
 from ..errors import StoreError
+from ..paths import cache_dir
 from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,8 @@ DEFAULT_SIZE_LIMIT = 10 * GiB
 
 
 def default_directory() -> Path:
-    """``<user cache dir>/langchain-cachegen/kv`` (platformdirs)."""
-    return Path(user_cache_dir("langchain-cachegen")) / "kv"
+    """``kv`` in the package's cache directory (``$CACHEGEN_CACHE_DIR`` or the user cache)."""
+    return cache_dir("kv")
 
 
 class UnsafeEntryError(Exception):
