@@ -3,7 +3,7 @@
     python -m benchmarks.fuzz [--inputs 100000] [--seconds 900] [--seed 0]
                               [--atheris-seconds S] [--libfuzzer-seconds S] [--artifacts DIR]
 
-The structured fuzzer of ``tests/fuzz/harness.py`` runs until ``--inputs`` inputs or
+The structured fuzzer of ``cachegen_core.testing.fuzz`` runs until ``--inputs`` inputs or
 ``--seconds`` have passed; one JSON line per target (``container``, ``codec``,
 ``coder-<name>`` for every coder in ``available_coders()``) and a ``total`` line are
 printed. ``--atheris-seconds`` adds a coverage-guided atheris run of ``KVCodec.decode``
@@ -32,7 +32,7 @@ def structured(
     inputs: int, seconds: float, seed: int, trace_every: int, quiet: bool, artifacts: Path
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run the structured fuzzer; (JSON rows, findings). Findings are also written as they come."""
-    from tests.fuzz import harness as H  # noqa: PLC0415
+    from cachegen_core.testing import fuzz as H  # noqa: PLC0415
 
     def progress(rep: Any) -> None:
         if rep.findings:
@@ -53,13 +53,13 @@ def structured(
 
 
 def atheris_run(seconds: float, workdir: Path) -> dict[str, Any]:
-    """Coverage-guided atheris run of ``tests.fuzz.atheris_target`` in a subprocess."""
+    """Coverage-guided atheris run of ``cachegen_core.testing.fuzz.atheris_target`` in a subprocess."""
     try:
         import atheris  # noqa: F401, PLC0415
     except ImportError:
         return {"target": "atheris-codec", "available": False, "reason": "pip install atheris"}
     corpus = workdir / "atheris-corpus"
-    cmd = [sys.executable, "-m", "tests.fuzz.atheris_target", f"-max_total_time={int(seconds)}", "-timeout=5",
+    cmd = [sys.executable, "-m", "cachegen_core.testing.fuzz.atheris_target", f"-max_total_time={int(seconds)}", "-timeout=5",
            "-rss_limit_mb=4096", f"-artifact_prefix={workdir}/atheris-", str(corpus)]  # fmt: skip
     t = time.perf_counter()
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, timeout=seconds + 300)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         bad += row.get("crashes", 0) + row.get("hangs", 0)
     if args.libfuzzer_seconds > 0:
-        from tests.fuzz import native  # noqa: PLC0415
+        from cachegen_core.testing.fuzz import native  # noqa: PLC0415
 
         row = {"target": "libfuzzer-native-decode", **native.run(args.libfuzzer_seconds, workdir=artifacts / "libfuzzer")}
         print(json.dumps(row), flush=True)

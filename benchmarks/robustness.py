@@ -6,9 +6,9 @@ One line per scenario, with at least ``scenario``, ``inputs``, ``crashes``, ``ha
 ``wrong_kv_accepted``, ``answered`` and ``requests``:
 
 - ``fuzz-container``, ``fuzz-codec``, ``fuzz-coder-<name>`` (every coder of
-  ``available_coders()``), ``fuzz-native-libfuzzer``: the fuzzers of ``tests/fuzz``.
+  ``available_coders()``), ``fuzz-native-libfuzzer``: the fuzzers of ``cachegen_core.testing.fuzz``.
   ``inputs``/``requests``: inputs tried; ``answered``: inputs that ended in a decoded KV
-  or a ``CacheGenFormatError``; ``wrong_kv_accepted``: see ``tests/fuzz/harness.py``.
+  or a ``CacheGenFormatError``; ``wrong_kv_accepted``: see ``cachegen_core.testing.fuzz``.
 - the engine scenarios run the tiny random Llama of the tests with a real store
   (``redis-server``, diskcache). ``requests``: prompts sent; ``answered``: requests
   that returned exactly the plain model's greedy text; ``crashes``: requests that
@@ -48,6 +48,9 @@ if str(ROOT) not in sys.path:
 from cachegen_core.chunks import blob_key  # noqa: E402
 from cachegen_core.engine import KVEngine  # noqa: E402
 from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: E402
+from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer, running_redis_server, words  # noqa: E402
+from cachegen_core.testing import fuzz as H  # noqa: E402
+from cachegen_core.testing.fuzz import native, repack_header  # noqa: E402
 
 CHUNK = 64
 NEW_TOKENS = 6
@@ -66,8 +69,6 @@ class Bench:
 
     @classmethod
     def tiny(cls, seed: int = 0) -> Bench:
-        from tests.conftest import make_tiny_llama, make_tiny_tokenizer  # noqa: PLC0415
-
         return cls(make_tiny_llama(seed), make_tiny_tokenizer())
 
     def plain(self, prompt: str) -> str:
@@ -92,8 +93,6 @@ def prompt(seed: int, chunks: int = 3, tail: int = 9) -> str:
     The seeds used below give prompts whose greedy answer is the same with the level-0 KV
     of any number of leading chunks (most seeds do; about one in seven flips a token on
     the random tiny model), so a wrong answer means a robustness failure, not codec noise."""
-    from tests.conftest import words  # noqa: PLC0415
-
     return words(seed, chunks * CHUNK + tail)
 
 
@@ -272,19 +271,9 @@ class DelayProxy:
 
 @contextmanager
 def redis_server() -> Iterator[Any]:
-    """A private ``redis-server`` (tests/redis_fixture.py), stopped afterwards."""
-    import shutil  # noqa: PLC0415
-
-    from tests.redis_fixture import start_redis_server  # noqa: PLC0415
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server not found")
-    server = start_redis_server(binary)
-    try:
+    """A private ``redis-server`` (``cachegen_core.testing.redis_server``), stopped afterwards."""
+    with running_redis_server() as server:
         yield server
-    finally:
-        server.close()
 
 
 # ------------------------------------------------------------------ engine scenarios
@@ -336,8 +325,6 @@ def scenario_other_codec_blob(bench: Bench, n: int = 3) -> dict[str, Any]:
 def corruptions(engine: KVEngine, rng: random.Random) -> list[tuple[str, Callable[[int, bytes], bytes]]]:
     """Ways to spoil a stored blob: byte damage, truncation, garbage, and forged well-formed blobs
     of this very model and codec (valid CRCs) with the wrong shape, tokens or non-finite values."""
-    from tests.fuzz import harness as H  # noqa: PLC0415
-
     def flip(_: int, b: bytes) -> bytes:
         x = bytearray(b)
         x[rng.randrange(len(x))] ^= 1 << rng.randrange(8)
@@ -357,7 +344,7 @@ def corruptions(engine: KVEngine, rng: random.Random) -> list[tuple[str, Callabl
         ("truncated", lambda _, b: b[: rng.randrange(len(b))]),
         ("garbage", lambda _, b: rng.randbytes(len(b))),
         ("empty", lambda _, b: b""),
-        ("forged header: level", lambda _, b: H._repack(b, lambda h: h.update(level=3))),  # valid CRC, other level
+        ("forged header: level", lambda _, b: repack_header(b, lambda h: h.update(level=3))),  # valid CRC, other level
         ("forged: fewer layers", forge(lambda kv: KVCache(kv.keys[:-1], kv.values[:-1]))),
         ("forged: fewer kv heads", forge(lambda kv: KVCache(kv.keys[:, :1], kv.values[:, :1]))),
         ("forged: smaller head_dim", forge(lambda kv: KVCache(kv.keys[..., :8], kv.values[..., :8]))),
@@ -546,8 +533,6 @@ def scenario_concurrent(bench: Bench, threads: int = 8, rounds: int = 3, store: 
     key (no torn value is ever decoded); every request must finish (no deadlock) with the
     right text; the store queue stays bounded; ``flush`` accounts for every queued chunk.
     """
-    from tests.conftest import words  # noqa: PLC0415
-
     tally = Tally(f"concurrent {threads} threads")
     written: dict[str, set[bytes]] = {}
     torn: list[str] = []
@@ -624,8 +609,6 @@ def scenario_concurrent(bench: Bench, threads: int = 8, rounds: int = 3, store: 
 # -------------------------------------------------------------------------- fuzzing
 def scenario_fuzz(inputs: int, seconds: float, seed: int = 0) -> list[dict[str, Any]]:
     """The structured fuzzer, one row per target (container, codec, every coder)."""
-    from tests.fuzz import harness as H  # noqa: PLC0415
-
     H.warm_up()
     rep = H.run(inputs, seconds, seed=seed)
     rows = []
@@ -656,8 +639,6 @@ def scenario_fuzz(inputs: int, seconds: float, seed: int = 0) -> list[dict[str, 
 
 
 def scenario_libfuzzer(seconds: float) -> dict[str, Any]:
-    from tests.fuzz import native  # noqa: PLC0415
-
     res = native.run(seconds)
     if not res.get("available"):
         return {"scenario": "fuzz-native-libfuzzer", "skipped": res.get("reason", "")[:200]}

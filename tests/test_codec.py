@@ -168,7 +168,7 @@ def test_reference_coder_recorded(tiny_kv):
 
 
 def test_forged_header_cannot_make_the_decoder_allocate_without_bound():
-    from tests.fuzz.harness import _repack
+    from cachegen_core.testing.fuzz import repack_header as _repack
 
     blob = _small_blob()
 

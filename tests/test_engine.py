@@ -6,7 +6,7 @@ import torch
 from cachegen_core.chunks import blob_key
 from cachegen_core.engine import KVEngine
 from cachegen_core.stores.memory import MemoryStore
-from tests.conftest import make_tiny_llama, make_tiny_tokenizer, words
+from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer, words
 
 CHUNK = 64
 

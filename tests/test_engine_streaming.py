@@ -5,7 +5,7 @@ import time
 from cachegen_core.engine import KVEngine
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.streaming import TEXT
-from tests.conftest import words
+from cachegen_core.testing import words
 from tests.test_engine import plain_greedy
 
 CHUNK = 64

@@ -7,7 +7,7 @@ from cachegen_core.engine import KVEngine
 from cachegen_core.stores.memory import MemoryStore
 from langchain_cachegen.chat_models import ChatCacheGen, render_prompt
 from langchain_cachegen.llms import CacheGenLLM, StopStreamer, cut_at_stop
-from tests.conftest import make_tiny_llama, make_tiny_tokenizer, words
+from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer, words
 
 CHUNK = 32
 

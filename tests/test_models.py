@@ -31,7 +31,7 @@ from cachegen_core.models import (
     model_dir_for,
     resolve_model,
 )
-from tests.conftest import make_tiny_llama, make_tiny_tokenizer
+from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from cachegen_core.codec import KVCodec
 from cachegen_core.config import CodecConfig
 from cachegen_core.kv import KVCache
 from cachegen_core.profile import Profile
-from tests.conftest import words
+from cachegen_core.testing import words
 
 
 def test_scoring_on_a_tiny_model(tiny_llama, tiny_tokenizer):

@@ -22,7 +22,8 @@ from cachegen_core.chunks import blob_key
 from cachegen_core.errors import CacheGenError, StoreError
 from cachegen_core.stores import DiskCacheStore, KVStore, MemoryStore, RedisStore, default_directory
 from langchain_cachegen.stores import ByteStoreKVStore
-from tests.redis_fixture import _free_port, redis_server_binary, start_redis_server
+from cachegen_core.testing import free_port, start_redis_server
+from tests.redis_fixture import redis_server_binary
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ["memory", "disk", "redis", "bytestore"]
@@ -431,7 +432,7 @@ def test_redis_hung_server_times_out(fresh_redis_server):
 
 
 def test_redis_nothing_listening_fails_fast():
-    s = RedisStore(host="127.0.0.1", port=_free_port())
+    s = RedisStore(host="127.0.0.1", port=free_port())
     t0 = time.monotonic()
     with pytest.raises(StoreError, match="127.0.0.1"):
         s.get("k")

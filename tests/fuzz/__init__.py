@@ -1,1 +1,1 @@
-"""Fuzzing of the container parser, ``KVCodec.decode`` and every entropy coder (see ``harness``)."""
+"""Fuzzing of the container parser, ``KVCodec.decode`` and every entropy coder (see ``cachegen_core.testing.fuzz``)."""

@@ -1,4 +1,6 @@
-"""A short fuzz run for CI (the bounded long run is ``python -m benchmarks.fuzz``), and checks of the oracle."""
+"""A short fuzz run for CI (the bounded long run is ``python -m benchmarks.fuzz``), and checks of the oracle.
+
+The fuzzer lives in ``cachegen_core.testing.fuzz``, shared with the benchmarks."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from cachegen_core.coders import available_coders
 from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.kv import KVCache
-from tests.fuzz import harness as H
+from cachegen_core.testing import fuzz as H
 
 BAD = ("crash", "hang", "overalloc", "wrong_kv_accepted")
 
@@ -105,7 +107,7 @@ def test_oracle_flags_crashes_wrong_kv_and_hangs(seeds):
 
 def test_hard_deadline_interrupts_a_stuck_input():
     _, exc, r = H.run_one(lambda: [None for _ in iter(int, 1)], bound=1 << 30, hang_s=0.2, hard_s=0.5, trace=False)
-    assert r.outcome == "hang" and isinstance(exc, H._Timeout)
+    assert r.outcome == "hang" and isinstance(exc, H.HardTimeout)
 
 
 def test_damaged_and_forged_profile_files(seeds):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fuzz import native
+from cachegen_core.testing.fuzz import native
 
 
 def test_native_decoder_under_libfuzzer_and_sanitizers(tmp_path):

@@ -1,8 +1,8 @@
 // libFuzzer target for the native rANS coder (csrc/rans_cpu.cpp), built with AddressSanitizer
-// and UndefinedBehaviorSanitizer by tests/fuzz/native.py:
+// and UndefinedBehaviorSanitizer by cachegen_core/testing/fuzz/native.py:
 //
 //   clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
-//       -I csrc tests/fuzz/native_decode_fuzzer.cpp csrc/rans_cpu.cpp -pthread -o native_decode_fuzzer
+//       -I csrc csrc/fuzz/native_decode_fuzzer.cpp csrc/rans_cpu.cpp -pthread -o native_decode_fuzzer
 //
 // The first bytes of an input choose a layout (substreams, symbols per substream, period,
 // alphabet, tables, threads) and frequency tables; the rest are the substream payloads.

@@ -1,7 +1,8 @@
-"""Build and run the libFuzzer target of the native coder (``native_decode_fuzzer.cpp``) under ASan/UBSan.
+"""Build and run the libFuzzer target of the native coder (``csrc/fuzz/native_decode_fuzzer.cpp``) under ASan/UBSan.
 
-Needs ``clang++`` with the libFuzzer runtime (Debian: ``apt-get install clang
-libclang-rt-14-dev``); ``build`` returns None where they are missing.
+Needs a source checkout (the C++ sources live in ``csrc/``, beside the package) and
+``clang++`` with the libFuzzer runtime (Debian: ``apt-get install clang
+libclang-rt-14-dev``); ``build`` returns None where any of them is missing.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-TARGET = Path(__file__).with_name("native_decode_fuzzer.cpp")
-SOURCES = [ROOT / "csrc" / "rans_cpu.cpp"]
+CSRC = Path(__file__).resolve().parents[3] / "csrc"  # cachegen_core/testing/fuzz/ -> the checkout's csrc/
+TARGET = CSRC / "fuzz" / "native_decode_fuzzer.cpp"
+SOURCES = [CSRC / "rans_cpu.cpp"]
 FLAGS = ["-std=c++17", "-g", "-O1", "-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=all", "-pthread"]
 
 
@@ -35,10 +36,10 @@ def build(out_dir: Path) -> tuple[Path | None, str]:
     cxx = compiler()
     if cxx is None:
         return None, "clang++ not found (apt-get install clang libclang-rt-14-dev)"
-    if not all(p.exists() for p in SOURCES):
-        return None, "native coder sources not found"
+    if not all(p.exists() for p in (TARGET, *SOURCES)):
+        return None, f"native coder sources not found in {CSRC} (a source checkout is needed)"
     exe = out_dir / "native_decode_fuzzer"
-    cmd = [cxx, *FLAGS, "-I", str(ROOT / "csrc"), str(TARGET), *map(str, SOURCES), "-o", str(exe)]
+    cmd = [cxx, *FLAGS, "-I", str(CSRC), str(TARGET), *map(str, SOURCES), "-o", str(exe)]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode:
         return None, f"build failed: {proc.stderr[-1500:]}"

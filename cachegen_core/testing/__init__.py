@@ -1,0 +1,27 @@
+"""Helpers shared by the tests and the benchmarks, shipped so that neither imports the other.
+
+- ``tiny``: tiny random-init Llama models, a word-level tokenizer and prompts for them;
+- ``redis_server``: real ``redis-server`` processes on a free loopback port;
+- ``fuzz``: the structured fuzzer of the decoders, libFuzzer and atheris targets.
+
+Importing this package needs no test tool (no pytest) and loads no other module of
+``cachegen_core``; redis-py (the ``redis`` extra) is needed only to start a server.
+"""
+
+from __future__ import annotations
+
+from .redis_server import RedisServer, find_redis_server, free_port, in_ci, running_redis_server, start_redis_server
+from .tiny import make_tiny_kv, make_tiny_llama, make_tiny_tokenizer, words
+
+__all__ = [
+    "RedisServer",
+    "find_redis_server",
+    "free_port",
+    "in_ci",
+    "make_tiny_kv",
+    "make_tiny_llama",
+    "make_tiny_tokenizer",
+    "running_redis_server",
+    "start_redis_server",
+    "words",
+]
