@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, LONGCHAT, context_kv, emit, load, read_jsonl, setup_threads, transcript_ids
+from benchmarks.common import DEFAULT_MODEL, add_data_option, context_kv, emit, load, read_jsonl, setup_threads, transcript_ids
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--data", default=str(LONGCHAT))
+    add_data_option(ap)
     ap.add_argument("--first", type=int, default=10, help="first transcript (0-9 are the profile's training set)")
     ap.add_argument("--contexts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=4608, help="context tokens per transcript")

@@ -27,11 +27,12 @@ import gc
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
 import numpy as np
 
-from benchmarks.common import emit
+from benchmarks.common import add_data_option, emit
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, cross_entropy_bits
 from cachegen_core.config import CodecConfig
 
@@ -92,7 +93,9 @@ def synthetic_7b(tokens: int = 1536, seed: int = 0) -> tuple[np.ndarray, StreamL
     return np.concatenate(pieces), layout, freqs
 
 
-def real_chunks(model_name: str, level: int, tokens: int) -> list[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
+def real_chunks(
+    model_name: str, level: int, tokens: int, data: str | Path | None = None
+) -> list[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
     """The reference model's chunk with its profile's tables and with per-chunk tables ([] if unavailable)."""
     try:
         from benchmarks.common import LONGCHAT, context_kv, load, read_jsonl  # noqa: PLC0415
@@ -102,7 +105,7 @@ def real_chunks(model_name: str, level: int, tokens: int) -> list[tuple[str, np.
 
         model, tok = load(model_name)
         fp = model_fingerprint(model, tok)
-        ids = next(i for i in (tok(t)["input_ids"] for t in read_jsonl(LONGCHAT, "prompt")) if len(i) >= tokens)[:tokens]
+        ids = next(i for i in (tok(t)["input_ids"] for t in read_jsonl(data or LONGCHAT, "prompt")) if len(i) >= tokens)[:tokens]
         kv = context_kv(model, ids)
     except Exception as e:  # no model, no data: the synthetic chunk still runs
         print(f"# real chunk skipped: {type(e).__name__}: {e}", file=sys.stderr)
@@ -222,13 +225,14 @@ def chunks(args: argparse.Namespace) -> Iterator[tuple[str, np.ndarray, StreamLa
         tokens = 480 if args.quick else args.tokens
         yield (f"7b-laplace-{tokens}tok", *synthetic_7b(tokens))
     if not args.no_real:
-        yield from real_chunks(args.model, args.level, args.tokens)
+        yield from real_chunks(args.model, args.level, args.tokens, args.data)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="7B chunk of 480 tokens, fewer repetitions (< 2 minutes)")
     ap.add_argument("--model", default="smollm2-135m")
+    add_data_option(ap)
     ap.add_argument("--level", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=1536)
     ap.add_argument("--no-real", action="store_true", help="skip the reference model's chunk")

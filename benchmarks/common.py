@@ -1,7 +1,13 @@
-"""Shared pieces of the benchmarks: real transcripts, the reference model, JSON-lines output."""
+"""Shared pieces of the benchmarks: real transcripts, the reference model, JSON-lines output.
+
+The benchmarks read the project's dev data from ``../shared/data/`` (beside the
+checkout) by default; ``--data F`` points them at any LongChat-style JSON-lines file
+(fields ``prompt``, ``label``), e.g. the demo excerpt ``examples/data/longchat_demo.jsonl``.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -18,8 +24,17 @@ TRACES = DATA / "bandwidth_traces_dev.jsonl"
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def add_data_option(ap: argparse.ArgumentParser) -> None:
+    """``--data F``: the transcripts to read (default: the LongChat dev set in ``../shared/data``)."""
+    ap.add_argument("--data", type=Path, default=LONGCHAT, metavar="F",
+                    help=f"LongChat-style JSON-lines transcripts (default: {LONGCHAT})")  # fmt: skip
+
+
 def read_jsonl(path: str | Path, field: str | None = None) -> list[Any]:
     """Records of a JSON-lines file (or one field of each)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path} not found: the dev data lives in ../shared/data beside the checkout "
+                                "(or pass another file with --data / --traces)")  # fmt: skip
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [r[field] for r in rows] if field else rows

@@ -17,13 +17,14 @@ import math
 
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, LONGCHAT, context_kv, emit, load, read_jsonl, setup_threads
+from benchmarks.common import DEFAULT_MODEL, add_data_option, context_kv, emit, load, read_jsonl, setup_threads
 from benchmarks.quality_size import score
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_data_option(ap)
     ap.add_argument("--extra", nargs="*", default=["0.72,0.9,1.08", "0.96,1.2,1.44", "1.44,1.8,2.16"])
     ap.add_argument("--train-first", type=int, default=0)
     ap.add_argument("--train-last", type=int, default=3)
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     levels = DEFAULT_LEVELS + tuple(tuple(float(x) for x in e.split(",")) for e in args.extra)
     config = CodecConfig(levels=levels)
     model, tok = load(args.model)
-    records = read_jsonl(LONGCHAT)
+    records = read_jsonl(args.data)
     train = (context_kv(model, tok(r["prompt"])["input_ids"][: args.train_tokens]) for r in records[args.train_first : args.train_last])
     codec = KVCodec(config, Profile.fit(config, train))
     tally = {lv: [0, 0, 0.0, 0.0, 0, 0] for lv in range(config.n_levels)}  # bytes, elements, nll, ref nll, agree, count

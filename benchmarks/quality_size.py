@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks import baselines
-from benchmarks.common import DEFAULT_MODEL, LONGCHAT, context_kv, emit, load, read_jsonl, setup_threads
+from benchmarks.common import DEFAULT_MODEL, add_data_option, context_kv, emit, load, read_jsonl, setup_threads
 from cachegen_core.kv import KVCache
 
 QUESTION = (
@@ -214,7 +214,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--data", default=str(LONGCHAT))
+    add_data_option(ap)
     ap.add_argument("--first", type=int, default=10, help="first record used (0-9 trained the profile)")
     ap.add_argument("--last", type=int, default=25, help="one past the last record used")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1536, 4096, 7680])

@@ -14,10 +14,7 @@ chunks are stored by a background worker.
 from __future__ import annotations
 
 import argparse
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +23,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from benchmarks.common import DEFAULT_MODEL, LONGCHAT, emit, load, read_jsonl, setup_threads
+from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl, setup_threads
+from cachegen_core.testing import running_redis_server
 
 QUESTIONS = [
     "What was the first topic we discussed?",
@@ -37,29 +35,9 @@ QUESTIONS = [
 
 @contextmanager
 def redis_server() -> Iterator[str]:
-    """A throwaway redis-server on a free loopback port (stopped on exit)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (make test installs it)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        import redis  # noqa: PLC0415
-
-        client = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    """The URL of a throwaway redis-server on a free loopback port (stopped on exit)."""
+    with running_redis_server() as server:
+        yield server.url
 
 
 @contextmanager
@@ -89,6 +67,7 @@ def pct(xs: list[float], q: float) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_data_option(ap)
     ap.add_argument("--stores", nargs="+", default=["memory", "disk", "redis"])
     ap.add_argument("--contexts", type=int, default=3)
     ap.add_argument("--context-tokens", type=int, default=4608)
@@ -106,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     from langchain_cachegen.chat_models import render_prompt  # noqa: PLC0415
 
     model, tok = load(args.model)
-    texts = read_jsonl(LONGCHAT, "prompt")[10 : 10 + args.contexts]
+    texts = read_jsonl(args.data, "prompt")[10 : 10 + args.contexts]
     contexts = [tok.decode(tok(t, add_special_tokens=False)["input_ids"][: args.context_tokens]) for t in texts]
     prompts = [[render_prompt(tok, [SystemMessage(c), HumanMessage(q)]) for q in QUESTIONS] for c in contexts]
     gen = {"max_new_tokens": args.max_new_tokens}

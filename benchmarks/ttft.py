@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, LONGCHAT, TRACES, emit, load, read_jsonl, setup_threads
+from benchmarks.common import DEFAULT_MODEL, LONGCHAT, TRACES, add_data_option, emit, load, read_jsonl, setup_threads
 from cachegen_core.streaming import TEXT, ChunkCost, choose, make_estimator
 
 
@@ -131,6 +131,7 @@ def measure(
     geometry: str,
     prefill_tps: float | None,
     decode_gsym_per_s: float | None = None,
+    data: str | Path = LONGCHAT,
 ) -> Workload:
     """Encode a real context at every level; time decoding and prefill."""
     from benchmarks.baselines import uniform  # noqa: PLC0415
@@ -144,7 +145,7 @@ def measure(
     fp = model_fingerprint(model, tok)
     config = CodecConfig()
     codec = KVCodec(config, find_profile(fp, config), fingerprint=fp)
-    ids = tok(read_jsonl(LONGCHAT, "prompt")[10])["input_ids"][:context_tokens]
+    ids = tok(read_jsonl(data, "prompt")[10])["input_ids"][:context_tokens]
     t = time.perf_counter()
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
@@ -257,6 +258,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_data_option(ap)
     ap.add_argument("--traces", default=str(TRACES))
     ap.add_argument("--context-tokens", type=int, nargs="+", default=[7680, 8192])
     ap.add_argument("--chunk-tokens", type=int, default=1536)
@@ -280,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
     base_traces = [r["bw_gbps"] for r in read_jsonl(args.traces)]
     rows: list[dict[str, Any]] = []
     for ctx in args.context_tokens:
-        w = measure(args.model, ctx, args.chunk_tokens, args.tail_tokens, args.geometry, args.prefill_tokens_per_s, args.decode_gsym_per_s)
+        w = measure(args.model, ctx, args.chunk_tokens, args.tail_tokens, args.geometry, args.prefill_tokens_per_s, args.decode_gsym_per_s,
+                    data=args.data)
         levels = sorted(w.costs[0].sizes)
         text_time = simulate(w, Link([1.0], args.slice_s), "text", None, levels)["ttft_s"]
         policies = ["fp16", "uniform8", "text", *[f"cachegen-fixed-{lv}" for lv in levels], "cachegen-adaptive", "cachegen-adaptive-last",

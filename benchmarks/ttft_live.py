@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, LONGCHAT, TRACES, emit, read_jsonl, setup_threads
+from benchmarks.common import DEFAULT_MODEL, TRACES, add_data_option, emit, read_jsonl, setup_threads
 from benchmarks.reuse import redis_server
 from benchmarks.throttled_proxy import ThrottledProxy
 from benchmarks.ttft import Link, Workload, quality_of, simulate, summarise
@@ -115,6 +115,7 @@ def _row(trace: int, policy: str, factor: float, text_s: float, r: dict[str, Any
 def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_data_option(ap)
     ap.add_argument("--traces", default=str(TRACES))
     ap.add_argument("--context-tokens", type=int, default=7680)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
         direct = RedisStore(url, namespace="ttft-live")
         writer = KVEngine.from_pretrained(args.model, store=direct, chunk_tokens=args.chunk_tokens, background=False)
         tok = writer.tokenizer
-        ids = tok(read_jsonl(LONGCHAT, "prompt")[10])["input_ids"][: args.context_tokens]
+        ids = tok(read_jsonl(args.data, "prompt")[10])["input_ids"][: args.context_tokens]
         prompt = ids + tok(QUESTION, add_special_tokens=False)["input_ids"]
         t = time.perf_counter()
         keys = writer.store_kv(ids)
