@@ -1,11 +1,12 @@
 """A 10-turn conversation whose growing history is reused from the store every turn.
 
-    python -m examples.chat_history [--model smollm2-135m] [--turns 10] [--chunk-tokens 256]
+    python -m examples.chat_history [--model smollm2-135m] [--data F] [--turns 10] [--chunk-tokens 256]
 
 Each turn's prompt (rendered with the model's chat template) extends the previous
 turn's tokens, so the complete chunks of the history come back from the store instead
 of being prefilled again. Prints, per turn, the prompt length, the cached tokens and
-the time to first token.
+the time to first token. The user messages open the topics of the first transcript of
+the demo excerpt shipped in ``examples/data/`` (or of ``--data``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from langchain_cachegen import ChatCacheGen
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "longchat_dev.jsonl"
+DATA = Path(__file__).resolve().parent / "data" / "longchat_demo.jsonl"
 
 
-def user_turns(n: int) -> list[str]:
-    """Real user messages: the topic openers of a LongChat transcript."""
-    with open(DATA) as f:
+def user_turns(n: int, path: Path = DATA) -> list[str]:
+    """Real user messages: the topic openers of the first LongChat transcript of ``path``."""
+    with open(path) as f:
         rec = json.loads(f.readline())
     topics = rec["label"]
     return [f"I would like to discuss the topic of {topics[i % len(topics)].lower()}. What matters most about it?" for i in range(n)]
@@ -32,6 +33,7 @@ def user_turns(n: int) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--data", type=Path, default=DATA, help="LongChat-style JSON-lines transcripts (default: the shipped demo excerpt)")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--chunk-tokens", type=int, default=256, help="small chunks so a short chat history spans several")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     chat = ChatCacheGen.from_model_id(args.model, store=store, chunk_tokens=args.chunk_tokens, max_tokens=args.max_tokens)
     history = [SystemMessage("You are a helpful assistant. Answer in two or three sentences.")]
     print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT s':>7}  reply")
-    for turn, text in enumerate(user_turns(args.turns), 1):
+    for turn, text in enumerate(user_turns(args.turns, args.data), 1):
         history.append(HumanMessage(text))
         reply = chat.invoke(history)
         chat.engine.flush()  # this turn's new chunks are stored before the next turn reads them

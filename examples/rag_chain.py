@@ -1,11 +1,12 @@
 """A RAG chain over LongChat transcripts, run twice: cold (prefill + store) and warm (KV reused).
 
-    python -m examples.rag_chain [--model smollm2-135m] [--doc-tokens 3072] [--store disk|memory|redis://...]
+    python -m examples.rag_chain [--model smollm2-135m] [--data F] [--doc-tokens 3072] [--store disk|memory|redis://...]
 
 The retriever returns the transcript that best matches the question; the chat prompt
 puts the documents first (system message) and the question last, so every complete
 chunk of the documents is found in the store on the second run. Prints cached tokens
-and time to first token for both runs.
+and time to first token for both runs. The transcripts are the demo excerpt shipped in
+``examples/data/`` (see its README) unless ``--data`` names another LongChat-style file.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from langchain_core.runnables import RunnablePassthrough
 
 from langchain_cachegen import ChatCacheGen
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "longchat_dev.jsonl"
+DATA = Path(__file__).resolve().parent / "data" / "longchat_demo.jsonl"
 SYSTEM = "Answer the question using these documents.\n\n{context}"
 
 
@@ -42,10 +43,10 @@ class KeywordRetriever(BaseRetriever):
         return scored[: self.k]
 
 
-def load_documents(tokenizer, n_docs: int, doc_tokens: int) -> list[Document]:
-    """The first ``n_docs`` transcripts, each cut to ``doc_tokens`` tokens."""
+def load_documents(tokenizer, n_docs: int, doc_tokens: int, path: Path = DATA) -> list[Document]:
+    """The first ``n_docs`` transcripts of ``path``, each cut to ``doc_tokens`` tokens."""
     docs = []
-    with open(DATA) as f:
+    with open(path) as f:
         for line in f:
             rec = json.loads(line)
             ids = tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"][:doc_tokens]
@@ -56,11 +57,13 @@ def load_documents(tokenizer, n_docs: int, doc_tokens: int) -> list[Document]:
 
 
 def make_store(spec: str):
-    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore
+    from cachegen_core.stores import DiskCacheStore, MemoryStore
 
     if spec == "memory":
         return MemoryStore()
-    if spec.startswith("redis://"):
+    if spec.startswith(("redis://", "rediss://")):
+        from cachegen_core.stores import RedisStore  # needs the redis extra
+
         return RedisStore(spec)
     return DiskCacheStore() if spec == "disk" else DiskCacheStore(spec)
 
@@ -68,7 +71,8 @@ def make_store(spec: str):
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--docs", type=int, default=5)
+    ap.add_argument("--data", type=Path, default=DATA, help="LongChat-style JSON-lines transcripts (default: the shipped demo excerpt)")
+    ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=3072)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--store", default="disk", help="disk (default, user cache), memory, a directory, or redis://host:port")
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"model {args.model} ready in {time.perf_counter() - t0:.1f} s; codec {llm.engine.codec.codec_id}, "
           f"profile {llm.engine.codec.profile_id or 'none'}, coder {llm.engine.codec.coder.name}", file=sys.stderr)
-    docs = load_documents(llm.engine.tokenizer, args.docs, args.doc_tokens)
+    docs = load_documents(llm.engine.tokenizer, args.docs, args.doc_tokens, args.data)
     retriever = KeywordRetriever(documents=docs)
     question = "What did the user and the assistant discuss about " + docs[0].metadata["topic"].lower() + "?"
 

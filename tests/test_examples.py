@@ -1,0 +1,56 @@
+"""The examples run as shipped: default data from ``examples/data/``, ``--data``, every store option they parse.
+
+A tiny random model saved as a transformers directory stands in for the reference
+model, so this checks the examples' plumbing in seconds; ``make demo`` runs the RAG
+example on the reference model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer
+from examples import chat_history, rag_chain
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny-model")
+    make_tiny_llama().save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_demo_data_is_shipped_small_and_documented():
+    records = [json.loads(line) for line in rag_chain.DATA.read_text().splitlines()]
+    assert [r["test_id"] for r in records] == [21, 22, 23, 24]
+    assert all(r["prompt"] and len(r["label"]) == 15 for r in records)
+    assert rag_chain.DATA.stat().st_size < 300_000
+    notes = (rag_chain.DATA.parent / "README.md").read_text()
+    assert "Apache" in notes and (rag_chain.DATA.parent / "LICENSE-Apache-2.0.txt").is_file()
+    assert chat_history.DATA == rag_chain.DATA
+
+
+def test_rag_chain_reuses_the_documents_on_the_warm_run(tiny_model_dir, capsys):
+    rag_chain.main(["--model", tiny_model_dir, "--store", "memory", "--doc-tokens", "200", "--chunk-tokens", "64",
+                    "--max-new-tokens", "2"])  # fmt: skip
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["run"] for r in rows] == ["cold", "warm"]
+    assert rows[0]["cached_tokens"] == 0 and rows[1]["cached_tokens"] >= 192
+
+
+def test_chat_history_reads_another_file_with_data(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"test_id": 0, "prompt": "w7 w8", "label": ["w9 w10", "w11"]}) + "\n")
+    chat_history.main(["--model", tiny_model_dir, "--data", str(data), "--turns", "3", "--chunk-tokens", "8",
+                       "--max-tokens", "4"])  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and out[0].split()[:3] == ["turn", "prompt", "cached"]
+    assert int(out[-1].split()[2]) > 0  # the third turn finds the history in the store
