@@ -9,7 +9,7 @@ One line per scenario, with at least ``scenario``, ``inputs``, ``crashes``, ``ha
   ``available_coders()``), ``fuzz-native-libfuzzer``: the fuzzers of ``cachegen_core.testing.fuzz``.
   ``inputs``/``requests``: inputs tried; ``answered``: inputs that ended in a decoded KV
   or a ``CacheGenFormatError``; ``wrong_kv_accepted``: see ``cachegen_core.testing.fuzz``.
-- the engine scenarios run the tiny random Llama of the tests with a real store
+- the engine scenarios run the tiny random Llama of ``cachegen_core.testing`` with a real store
   (``redis-server``, diskcache). ``requests``: prompts sent; ``answered``: requests
   that returned exactly the plain model's greedy text; ``crashes``: requests that
   raised; ``hangs``: requests over ``HANG_S``; ``wrong_kv_accepted``: requests that used
