@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 

@@ -163,7 +163,7 @@ def check_codec(
     """``KVCodec.decode``: KV or ``CacheGenFormatError``; a decoded KV is judged against ``expected``.
 
     ``expected``: the KV the unmodified seed decodes to, or None when ``data`` is a seed
-    blob itself (then ``expected`` is compared too) -- see the module doc for the rules.
+    blob itself (then ``expected`` is compared too) -- see the package doc for the rules.
     """
     kv, exc, res = run_one(lambda: codec.decode(data), alloc_bound(data, codec.max_tokens), hang_s, hard_s, trace)
     if res.outcome:
