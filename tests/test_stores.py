@@ -235,6 +235,7 @@ def test_memory_closed_store_raises_store_error():
 
 
 def test_disk_default_directory_is_the_user_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("CACHEGEN_CACHE_DIR", raising=False)  # it would override the user cache dir
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     if sys.platform.startswith("linux"):
         assert default_directory() == tmp_path / "xdg" / "langchain-cachegen" / "kv"
