@@ -201,8 +201,10 @@ class KVCodec:
         return (base[:, None] + np.arange(geo.channels)[None, :]).astype(np.int32)
 
     # ---------------------------------------------------------------- decoding
-    def decode(self, blob: bytes) -> KVCache:
-        """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``."""
+    def decode(self, blob: bytes, level: int | None = None) -> KVCache:
+        """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``.
+
+        ``level``: the level the blob was fetched as; a blob of another level is rejected."""
         c = unpack(blob, self.limits)
         h = c.header
         for key in ("codec", "codec_id", "tables", "dtype", "coder", "model_fingerprint"):
@@ -218,9 +220,11 @@ class KVCodec:
                 raise CacheGenFormatError(f"blob needs profile {h.get('profile_id')!r}, this codec has {self.profile_id!r}")
         elif tables != "inline" or h.get("profile_id") is not None:
             raise CacheGenFormatError(f"bad table source {tables!r}")
-        level = h.get("level")
-        if level not in self.levels or isinstance(level, bool):
-            raise CacheGenFormatError(f"bad level {level!r}")
+        if h.get("level") not in self.levels or isinstance(h.get("level"), bool):
+            raise CacheGenFormatError(f"bad level {h.get('level')!r}")
+        if level is not None and h["level"] != level:
+            raise CacheGenFormatError(f"blob is of level {h['level']}, fetched as level {level}")
+        level = h["level"]
         shape = h.get("shape")
         if (
             not isinstance(shape, list)
