@@ -21,7 +21,8 @@ from pydantic import ConfigDict, Field
 from cachegen_core.engine import GenerationInfo, KVEngine
 from cachegen_core.stores.base import KVStore
 
-from .llms import DEFAULT_MODEL, StopStreamer, cut_at_stop
+from .llms import DEFAULT_MODEL
+from .stop import StopStreamer, cut_at_stop
 
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
 

@@ -8,7 +8,7 @@ recomputed, and new chunks are stored in the background. Nothing changes in the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.llms import BaseLLM
@@ -18,41 +18,9 @@ from pydantic import ConfigDict, Field
 from cachegen_core.engine import GenerationInfo, KVEngine
 from cachegen_core.stores.base import KVStore
 
+from .stop import StopStreamer, cut_at_stop
+
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cut_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
-    """``text`` up to the first occurrence of any stop sequence, and whether one occurred."""
-    cut = min((i for s in stop or () if s and (i := text.find(s)) >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
-
-class StopStreamer:
-    """Incremental stop-sequence filter: never emits text that a stop sequence could still claim."""
-
-    def __init__(self, stop: Sequence[str] | None) -> None:
-        self.stop = [s for s in stop or () if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.buffer = ""
-        self.stopped = False
-
-    def feed(self, piece: str) -> str:
-        """Text safe to emit after ``piece`` arrived ('' once stopped)."""
-        if self.stopped:
-            return ""
-        self.buffer += piece
-        text, hit = cut_at_stop(self.buffer, self.stop)
-        if hit:
-            self.stopped = True
-            self.buffer = ""
-            return text
-        safe = len(self.buffer) - self.hold if self.stop else len(self.buffer)
-        out, self.buffer = self.buffer[: max(safe, 0)], self.buffer[max(safe, 0) :]
-        return out
-
-    def finish(self) -> str:
-        out, self.buffer = ("" if self.stopped else self.buffer), ""
-        return out
 
 
 class CacheGenLLM(BaseLLM):
