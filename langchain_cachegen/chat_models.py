@@ -9,42 +9,21 @@ being prefilled again.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.language_models.base import LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field
 
 from cachegen_core.engine import GenerationInfo, KVEngine
 from cachegen_core.stores.base import KVStore
 
+from .chat_template import render_prompt
 from .llms import DEFAULT_MODEL
 from .stop import StopStreamer, cut_at_stop
-
-_ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
-
-
-def message_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as ``{"role", "content"}`` dicts for a chat template."""
-    out = []
-    for m in messages:
-        role = m.role if isinstance(m, ChatMessage) else next((r for t, r in _ROLES.items() if isinstance(m, t)), "user")
-        out.append({"role": role, "content": m.text if hasattr(m, "text") and isinstance(m.text, str) else str(m.content)})
-    return out
-
-
-def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage]) -> list[int]:
-    """Token ids of the conversation, ending with the assistant's turn, stable across turns."""
-    dicts = message_dicts(messages)
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "".join(f"{d['role']}: {d['content']}\n" for d in dicts) + "assistant:"
-    return list(tokenizer(text)["input_ids"])
-
 
 class ChatCacheGen(BaseChatModel):
     """Chat model over a ``KVEngine``; build with ``ChatCacheGen.from_model_id(...)`` or pass an engine."""

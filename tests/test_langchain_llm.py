@@ -5,7 +5,8 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from cachegen_core.engine import KVEngine
 from cachegen_core.stores.memory import MemoryStore
-from langchain_cachegen.chat_models import ChatCacheGen, render_prompt
+from langchain_cachegen.chat_models import ChatCacheGen
+from langchain_cachegen.chat_template import render_prompt
 from langchain_cachegen.llms import CacheGenLLM
 from langchain_cachegen.stop import StopStreamer, cut_at_stop
 from tests.conftest import make_tiny_llama, make_tiny_tokenizer, words
