@@ -91,7 +91,7 @@ def test_identifying_params(llm):
 
 def test_chat_history_is_reused_turn_after_turn(tiny_llama, tiny_tokenizer):
     engine = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, background=False)
-    chat = ChatCacheGen(engine=engine, model="tiny", max_tokens=6)
+    chat = ChatCacheGen(llm=CacheGenLLM(engine=engine, model_id="tiny"), max_tokens=6)
     history = [SystemMessage(words(20, 30))]
     cached = []
     for turn in range(5):
@@ -121,7 +121,7 @@ class TestChatCacheGenStandard(ChatModelUnitTests):
     @property
     def chat_model_params(self):
         engine = _shared_engine()
-        return {"engine": engine, "model": "tiny"}
+        return {"llm": CacheGenLLM(engine=engine, model_id="tiny")}
 
 
 _ENGINE = None
