@@ -19,7 +19,6 @@ from langchain_core.language_models.base import LangSmithParams
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, GenerationChunk
-from pydantic import ConfigDict
 
 from cachegen_core.engine import KVEngine
 
@@ -39,8 +38,6 @@ class ChatCacheGen(BaseChatModel):
     or ``ChatCacheGen(llm=CacheGenLLM(...))``. ``max_tokens``, ``temperature`` and
     ``stop`` override the LLM's generation settings for each call; ``None`` leaves them.
     """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     llm: CacheGenLLM
     max_tokens: int | None = None
