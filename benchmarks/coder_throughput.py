@@ -173,11 +173,11 @@ def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout,
 
         if not torch.cuda.is_available():
             return
-        from cachegen_core.coders import native_cuda  # noqa: PLC0415
+        from cachegen_core.coders import get_decoder, native_cuda  # noqa: PLC0415
         from cachegen_core.coders.native import NativeCoder  # noqa: PLC0415
 
-        coder = NativeCoder()
-        gpu = coder.decode_cuda(payloads, layout, freqs)  # warm-up: JIT build, tables to the GPU
+        coder = get_decoder(NativeCoder.name, "cuda")
+        gpu = coder.decode_symbols(payloads, layout, freqs)  # warm-up: JIT build, tables to the GPU
     except Exception as e:
         print(f"# CUDA decode unavailable: {type(e).__name__}: {e}", file=sys.stderr)
         return
@@ -185,7 +185,7 @@ def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout,
     calls, kernels = [], []
     for _ in range(max(reps, 5)):
         calls.append(native_cuda.timed_decode(coder, payloads, layout, freqs)[1])
-        kernels.append(coder.last_cuda_kernel_s)
+        kernels.append(coder.last_kernel_s)
     bps = 8 * sum(map(len, payloads)) / layout.n_symbols
     name = f"{coder.name}-cuda-{torch.cuda.get_device_name()}"
     line(name, "decode", None, min(kernels), bps, timed="kernel")

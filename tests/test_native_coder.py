@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cachegen_core import coders
-from cachegen_core.coders import default_coder, get_coder
+from cachegen_core.coders import default_coder, get_coder, get_decoder
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, cross_entropy_bits
-from cachegen_core.coders.native import CSRC, NativeCoder, _library, available
+from cachegen_core.coders.native import NativeCoder
+from cachegen_core.coders.native_lib import CSRC, available, cpu_library
 from cachegen_core.coders.reference import ReferenceCoder
 from cachegen_core.errors import CoderError
 
@@ -122,7 +123,7 @@ def test_size_within_half_a_percent_of_entropy(n_tables):
 @pytest.mark.parametrize("lut_bits", [1, 4, 8, 12, 16])
 def test_every_slot_lookup_resolution_decodes_the_same(lut_bits, monkeypatch):
     """The decoder's slot lookup (a decoder-side choice, not part of the format) at any resolution."""
-    from cachegen_core.coders import native
+    from cachegen_core.coders import native_lib
 
     rng = np.random.default_rng(lut_bits)
     freqs = np.concatenate([tables(rng, 3, 256, 0.05, near_zero=True), tables(rng, 3, 256, 5.0)])
@@ -130,8 +131,8 @@ def test_every_slot_lookup_resolution_decodes_the_same(lut_bits, monkeypatch):
     sym = sample(rng, freqs, layout)
     sym[::13] = rng.integers(0, 256, sym[::13].size)  # plenty of rare symbols: long bisections
     payloads = NativeCoder().encode(sym, layout, freqs)
-    monkeypatch.setattr(native, "lut_bits_for", lambda n: lut_bits)
-    monkeypatch.setattr(native, "_TABLES", native._TableCache())
+    monkeypatch.setattr(native_lib, "lut_bits_for", lambda n: lut_bits)
+    monkeypatch.setattr(native_lib, "_TABLES", native_lib._TableCache())
     assert NativeCoder().tables(freqs).lut_bits == lut_bits
     assert np.array_equal(NativeCoder().decode(payloads, layout, freqs), sym)
 
@@ -184,7 +185,7 @@ def test_bad_tables_layouts_and_symbols_are_coder_errors():
 
 def test_library_checks_raw_arguments():
     """The C ABI rejects inconsistent offsets and table ids itself (not only the Python wrapper)."""
-    lib = _library()
+    lib = cpu_library()
     freqs = np.full((1, 4), TOTAL_FREQ // 4, np.uint32)
     t = NativeCoder().tables(freqs)
     p = lambda a: a.ctypes.data  # noqa: E731
@@ -253,9 +254,9 @@ def test_registry_prefers_native_and_falls_back_to_reference(monkeypatch):
     assert isinstance(get_coder("torchac"), ReferenceCoder)
     with pytest.raises(KeyError):
         get_coder("no-such-coder")
-    from cachegen_core.coders import native
+    from cachegen_core.coders import native_lib
 
-    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(native_lib, "available", lambda: False)
     coders.available_coders.cache_clear()
     coders.get_coder.cache_clear()
     try:
@@ -288,6 +289,7 @@ def _cuda_ready() -> bool:
 def test_cuda_decode_equals_cpu_decode():
     rng = np.random.default_rng(7)
     c = NativeCoder()
+    cuda = get_decoder(NativeCoder.name, "cuda")
     cases = [(256, [0, 1, 17, 100_000, 5, 6528, 58752], 192, 9), (2, [3000, 3001], 1, 9), (40, [16, 15, 33, 0], 7, 9), (256, [20_000] * 5, 64, 3000)]
     for alphabet, counts, period, n_tables in cases:
         freqs = tables(rng, n_tables, alphabet, near_zero=alphabet > 2)
@@ -295,17 +297,17 @@ def test_cuda_decode_equals_cpu_decode():
         sym = sample(rng, freqs, layout)
         payloads = c.encode(sym, layout, freqs)
         cpu = c.decode(payloads, layout, freqs)
-        gpu = c.decode_cuda(payloads, layout, freqs).cpu().numpy()
+        gpu = cuda.decode_symbols(payloads, layout, freqs).cpu().numpy()
         assert np.array_equal(gpu, cpu) and np.array_equal(cpu, sym)
         big = max(range(len(counts)), key=lambda i: counts[i])
         broken = list(payloads)
         for cut in (2, 1, len(payloads[big]) - 10):
             broken[big] = payloads[big][:-cut]
             with pytest.raises(CoderError):
-                c.decode_cuda(broken, layout, freqs)
+                cuda.decode_symbols(broken, layout, freqs)
         broken[big] = payloads[big] + b"\0\0"
         with pytest.raises(CoderError, match="trailing"):
-            c.decode_cuda(broken, layout, freqs)
+            cuda.decode_symbols(broken, layout, freqs)
         for _ in range(20):  # garbage: the same verdict as the CPU decoder, never a fault
             junk = list(payloads)
             junk[big] = rng.integers(0, 256, len(payloads[big])).astype(np.uint8).tobytes()
@@ -314,7 +316,7 @@ def test_cuda_decode_equals_cpu_decode():
             except CoderError:
                 cpu_bad = None
             try:
-                gpu_bad = c.decode_cuda(junk, layout, freqs).cpu().numpy()
+                gpu_bad = cuda.decode_symbols(junk, layout, freqs).cpu().numpy()
             except CoderError:
                 gpu_bad = None
             assert (cpu_bad is None) == (gpu_bad is None)

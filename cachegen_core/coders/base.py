@@ -17,11 +17,14 @@ own with no coordination; the container stores their byte lengths and checksums.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..errors import CoderError
+from ..errors import CacheGenError, CoderError
+
+if TYPE_CHECKING:
+    import torch
 
 PRECISION = 16
 TOTAL_FREQ = 1 << PRECISION
@@ -101,6 +104,13 @@ def cross_entropy_bits(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndar
     return total
 
 
+class BackendUnavailable(CacheGenError, RuntimeError):
+    """A coder or decoder backend asked for cannot run here (no GPU, no nvcc, library not built...).
+
+    Not a ``CacheGenFormatError``: the blob is fine, this process is not set up to decode it so.
+    """
+
+
 @runtime_checkable
 class Coder(Protocol):
     """An entropy coder over substreams. Implementations: ``reference`` (torchac), ``native``."""
@@ -119,4 +129,22 @@ class Coder(Protocol):
         symbols in range (an arithmetic decoder cannot always tell); the container's
         checksums are what reject corrupted bytes. Never crashes, never reads out of bounds.
         """
+        ...
+
+
+@runtime_checkable
+class SymbolDecoder(Protocol):
+    """Decodes the substreams of one coder's byte format into symbols on one device.
+
+    Obtained from ``coders.get_decoder(coder_name, device)``: the CPU decoder of every
+    coder wraps its ``decode``; other devices (``cuda``) have their own implementations.
+    """
+
+    #: The coder (byte format) whose payloads it reads, as recorded in blobs.
+    name: str
+    #: Where the decoded symbols are.
+    device: "torch.device"
+
+    def decode_symbols(self, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray) -> "torch.Tensor":
+        """The flat uint8 symbols as a tensor on ``device``; same contract as ``Coder.decode``."""
         ...
