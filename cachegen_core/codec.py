@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .coders import Coder, StreamLayout, default_coder, get_coder
+from .coders import Coder, StreamLayout, default_coder, get_coder, ideal_bits_per_stream
 from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
 from .format import Limits, pack, unpack
@@ -344,7 +344,7 @@ def _stats(blob: bytes, payloads: list[bytes], symbols: np.ndarray, layout: Stre
     layer = (np.arange(n) // spk) % geo.layers
     part = np.arange(n) % 2
     group = (layer * 3) // geo.layers
-    ideal = _ideal_bits_per_stream(symbols, layout, freqs)
+    ideal = ideal_bits_per_stream(symbols, layout, freqs)
     out: dict[str, Any] = {
         "elements": elements,
         "blob_bytes": len(blob),
@@ -364,12 +364,3 @@ def _stats(blob: bytes, payloads: list[bytes], symbols: np.ndarray, layout: Stre
     }.items():
         out[f"{name}_bits_per_element"] = coded[mask].sum() / elements
     return out
-
-
-def _ideal_bits_per_stream(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> np.ndarray:
-    logp = (16 - np.log2(freqs.astype(np.float64))).astype(np.float32)
-    counts = layout.counts()
-    stream_of = np.repeat(np.arange(layout.n_streams), counts)
-    pos = np.arange(layout.n_symbols) - np.repeat(layout.offsets[:-1], counts)
-    tables = layout.table_ids[stream_of, pos % layout.period]
-    return np.bincount(stream_of, weights=logp[tables, symbols], minlength=layout.n_streams)

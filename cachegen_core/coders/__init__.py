@@ -8,7 +8,7 @@ the fallback. ``registry.py`` knows which coders, and which decoders per kind of
 
 from __future__ import annotations
 
-from .base import BackendUnavailable, Coder, StreamLayout, SymbolDecoder
+from .base import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, ideal_bits_per_stream
 from .reference import ReferenceCoder
 from .registry import available_coders, decoder_devices, default_coder, get_coder, get_decoder
 
@@ -23,4 +23,5 @@ __all__ = [
     "default_coder",
     "get_coder",
     "get_decoder",
+    "ideal_bits_per_stream",
 ]
