@@ -22,8 +22,8 @@ from .coders import Coder, StreamLayout, default_coder, get_coder, ideal_bits_pe
 from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
 from .format import Limits, pack, unpack
-from .kv import KVCache, KVShapeError
-from .profile import Profile, counts_to_freqs, kind_to_ltc, ltc_to_kind
+from .kv import KVCache, KVShapeError, merge_heads, split_heads
+from .profile import Profile, counts_to_freqs
 from .quantize import ALPHABET, DELTA_OFFSET, DELTA_RADIUS, Quantized, from_bf16_bits, to_bf16_bits
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -135,7 +135,7 @@ class KVCodec:
             raise ValueError(f"level {level} not in {self.levels}")
         self._check_kv(kv)
         layers, heads, tokens, dim = kv.shape
-        qs = [self.config.quantize(kind_to_ltc(x), level, kind) for kind, x in enumerate((kv.keys, kv.values))]
+        qs = [self.config.quantize(merge_heads(x), level, kind) for kind, x in enumerate((kv.keys, kv.values))]
         geo = _Geometry.of(layers, tokens, heads * dim, self.config)
         symbols = _flatten_symbols(qs, geo, self.config)
         layout = StreamLayout(np.concatenate([[0], np.cumsum(geo.stream_sizes())]).astype(np.int64), self._table_ids(geo, level))
@@ -288,7 +288,7 @@ class KVCodec:
                 params["delta_step"][kind],
                 self.config.anchor_offset,
             )
-            x = ltc_to_kind(self.config.dequantize(q, tokens), heads).to(dtype).contiguous()
+            x = split_heads(self.config.dequantize(q, tokens), heads).to(dtype).contiguous()
             if not torch.isfinite(x).all():  # checked in the blob's dtype: float16 overflows past 65504
                 raise CacheGenFormatError("decoded KV is not finite")
             out.append(x)

@@ -21,7 +21,7 @@ import torch
 from .coders.base import TOTAL_FREQ
 from .config import CodecConfig
 from .errors import CacheGenFormatError
-from .kv import KVCache
+from .kv import KVCache, merge_heads
 from .paths import cache_dir
 from .quantize import ALPHABET
 
@@ -123,7 +123,7 @@ class Profile:
                 chunk = kv.slice(start, start + chunk_tokens)
                 n_chunks += 1
                 for kind, x in enumerate((chunk.keys, chunk.values)):
-                    x = kind_to_ltc(x)
+                    x = merge_heads(x)
                     for level in range(config.n_levels):
                         q = config.quantize(x, level, kind)
                         if level == 0:
@@ -193,18 +193,6 @@ class Profile:
         if f32.min(initial=1) < 1 or np.any(f32.sum(axis=1, dtype=np.int64) != TOTAL_FREQ):
             raise CacheGenFormatError(f"profile {path}: tables are not normalised to {TOTAL_FREQ}")
         return cls(f32, meta)
-
-
-def kind_to_ltc(x: torch.Tensor) -> torch.Tensor:
-    """``(layers, kv_heads, tokens, head_dim)`` -> ``(layers, tokens, channels)`` with channel = (head, dim)."""
-    layers, heads, tokens, dim = x.shape
-    return x.permute(0, 2, 1, 3).reshape(layers, tokens, heads * dim)
-
-
-def ltc_to_kind(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of ``kind_to_ltc``."""
-    layers, tokens, channels = x.shape
-    return x.reshape(layers, tokens, heads, channels // heads).permute(0, 2, 1, 3)
 
 
 def _profile_id(freqs: np.ndarray, meta: dict[str, Any]) -> str:

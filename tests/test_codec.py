@@ -8,16 +8,16 @@ from cachegen_core.coders.reference import ReferenceCoder
 from cachegen_core.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.format import Limits, read_header
-from cachegen_core.kv import KVCache, KVShapeError
-from cachegen_core.profile import Profile, kind_to_ltc, ltc_to_kind
+from cachegen_core.kv import KVCache, KVShapeError, merge_heads, split_heads
+from cachegen_core.profile import Profile
 
 
 def _expected(kv: KVCache, codec: KVCodec, level: int) -> KVCache:
     """What decoding must give exactly: the quantiser's own reconstruction."""
     out = []
     for kind, x in enumerate((kv.keys, kv.values)):
-        q = codec.config.quantize(kind_to_ltc(x), level, kind)
-        out.append(ltc_to_kind(codec.config.dequantize(q, kv.num_tokens), kv.num_kv_heads).to(kv.dtype))
+        q = codec.config.quantize(merge_heads(x), level, kind)
+        out.append(split_heads(codec.config.dequantize(q, kv.num_tokens), kv.num_kv_heads).to(kv.dtype))
     return KVCache(*out)
 
 
