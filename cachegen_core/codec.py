@@ -3,11 +3,8 @@
 A blob holds one chunk of a context's KV at one level: quantised anchors and deltas
 (``quantize.py``), range-coded in independent substreams (``coders/``) with the
 tables of a ``Profile`` (or, without one, tables measured on the chunk and stored in
-the blob), inside the checksummed container of ``format.py``.
-
-Substreams: for each kind (K, V), layer and block of ``config.tokens_per_stream(channels)`` tokens,
-one substream of anchors and one of deltas, each in token-major order, so symbol
-``j`` of a substream belongs to channel ``j % channels``.
+the blob), inside the checksummed container of ``format.py``. How symbols are cut
+into substreams and which table codes each: ``substreams.py``.
 """
 
 from __future__ import annotations
@@ -18,52 +15,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from .coders import Coder, StreamLayout, default_coder, get_coder, ideal_bits_per_stream
+from .bitstats import encode_stats
+from .coders import Coder, StreamLayout, default_coder, get_coder
 from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
 from .format import Limits, pack, unpack
 from .kv import KVCache, KVShapeError, merge_heads, split_heads
-from .profile import Profile, counts_to_freqs
+from .profile import Profile, TableLayout
 from .quantize import ALPHABET, DELTA_OFFSET, DELTA_RADIUS, Quantized, from_bf16_bits, to_bf16_bits
+from .substreams import ChunkGeometry, flatten_symbols, inline_tables, n_inline_tables, stream_layout, unflatten_symbols
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_DIM = 1 << 14
 #: A blob may decode to at most this many KV elements per byte (0.004 bits per element).
 MAX_ELEMENTS_PER_BYTE = 2048
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """Token blocks of a chunk and the resulting substream sizes."""
-
-    layers: int
-    tokens: int
-    channels: int
-    anchors_per_block: list[int]
-    deltas_per_block: list[int]
-
-    @classmethod
-    def of(cls, layers: int, tokens: int, channels: int, config: CodecConfig) -> "_Geometry":
-        a, d = [], []
-        block = config.tokens_per_stream(channels)
-        for start in range(0, tokens, block):
-            n = min(tokens, start + block) - start
-            na = -(-n // config.group_size)
-            a.append(na)
-            d.append(n - na)
-        return cls(layers, tokens, channels, a, d)
-
-    @property
-    def streams_per_kl(self) -> int:
-        return 2 * len(self.anchors_per_block)
-
-    @property
-    def n_streams(self) -> int:
-        return 2 * self.layers * self.streams_per_kl
-
-    def stream_sizes(self) -> np.ndarray:
-        per_kl = np.array([n for pair in zip(self.anchors_per_block, self.deltas_per_block) for n in pair], dtype=np.int64)
-        return np.tile(per_kl * self.channels, 2 * self.layers)
 
 
 @dataclass(frozen=True)
@@ -73,7 +38,7 @@ class Prepared:
     level: int
     shape: list[int]
     dtype: str
-    geometry: _Geometry
+    geometry: ChunkGeometry
     symbols: np.ndarray
     layout: StreamLayout
     freqs: np.ndarray
@@ -122,6 +87,10 @@ class KVCodec:
     def profile_id(self) -> str | None:
         return self.profile.id if self.profile is not None else None
 
+    @property
+    def _tables(self) -> TableLayout | None:
+        return self.profile.layout if self.profile is not None else None
+
     # ---------------------------------------------------------------- encoding
     def encode(self, kv: KVCache, level: int | None = None) -> bytes:
         """Compress ``kv`` (one chunk, any token count >= 1) at ``level`` into a blob."""
@@ -136,12 +105,12 @@ class KVCodec:
         self._check_kv(kv)
         layers, heads, tokens, dim = kv.shape
         qs = [self.config.quantize(merge_heads(x), level, kind) for kind, x in enumerate((kv.keys, kv.values))]
-        geo = _Geometry.of(layers, tokens, heads * dim, self.config)
-        symbols = _flatten_symbols(qs, geo, self.config)
-        layout = StreamLayout(np.concatenate([[0], np.cumsum(geo.stream_sizes())]).astype(np.int64), self._table_ids(geo, level))
+        geo = ChunkGeometry.of(layers, tokens, heads * dim, self.config)
+        symbols = flatten_symbols(qs, geo)
+        layout = stream_layout(geo, level, self._tables)
         sections = {name: _bits(qs, name) for name in ("anchor_min", "anchor_step", "delta_step")}
         if self.profile is None:
-            freqs = _inline_tables(symbols, layout, geo)
+            freqs = inline_tables(symbols, layout, geo)
             sections["tables"] = freqs.astype(np.uint16)
         else:
             freqs = self.profile.freqs
@@ -152,7 +121,7 @@ class KVCodec:
         p = self.prepare(kv, level)
         payloads = self.coder.encode(p.symbols, p.layout, p.freqs)
         blob = self._pack(p, payloads)
-        return blob, _stats(blob, payloads, p.symbols, p.layout, p.freqs, p.geometry)
+        return blob, encode_stats(len(blob), payloads, p.symbols, p.layout, p.freqs, p.geometry)
 
     def _pack(self, p: "Prepared", payloads: list[bytes]) -> bytes:
         header = {
@@ -185,20 +154,6 @@ class KVCodec:
                     f"KV of shape {kv.shape} does not match the profile's model "
                     f"({m['num_layers']} layers, {m['channels']} channels)"
                 )
-
-    def _table_ids(self, geo: _Geometry, level: int) -> np.ndarray:
-        """Table of every (substream, channel): per channel from the profile, else one per (kind, layer, part)."""
-        nb = len(geo.anchors_per_block)
-        kinds, layers, blocks, parts = np.meshgrid(np.arange(2), np.arange(geo.layers), np.arange(nb), np.arange(2), indexing="ij")
-        kinds, layers, parts = kinds.ravel(), layers.ravel(), parts.ravel()
-        if self.profile is None:
-            ids = (kinds * geo.layers + layers) * 2 + parts
-            return np.repeat(ids[:, None], geo.channels, axis=1).astype(np.int32)
-        tl = self.profile.layout
-        anchor = (kinds * tl.num_layers + layers) * tl.channels
-        delta = 2 * tl.num_layers * tl.channels + ((level * 2 + kinds) * tl.num_layers + layers) * tl.channels
-        base = np.where(parts == 0, anchor, delta)
-        return (base[:, None] + np.arange(geo.channels)[None, :]).astype(np.int32)
 
     # ---------------------------------------------------------------- decoding
     def decode(self, blob: bytes) -> KVCache:
@@ -243,12 +198,12 @@ class KVCodec:
             m = self.profile.meta
             if (layers, channels) != (m["num_layers"], m["channels"]):
                 raise CacheGenFormatError("blob shape does not match the profile's model")
-        geo = _Geometry.of(layers, tokens, channels, self.config)
+        geo = ChunkGeometry.of(layers, tokens, channels, self.config)
         if len(c.streams) != geo.n_streams:
             raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {shape} needs {geo.n_streams}")
         expected = {"anchor_min": (2, layers, channels), "anchor_step": (2, layers, channels), "delta_step": (2, layers, channels)}
         if tables == "inline":
-            expected["tables"] = (4 * layers, ALPHABET)
+            expected["tables"] = (n_inline_tables(layers), ALPHABET)
         got = {k: v.shape for k, v in c.sections.items()}
         if got != expected or any(c.sections[k].dtype != np.uint16 for k in expected):
             raise CacheGenFormatError(f"sections {got} do not match the expected {expected}")
@@ -265,14 +220,14 @@ class KVCodec:
             coder = get_coder(h.get("coder"))  # type: ignore[arg-type]
         except (KeyError, TypeError):
             raise CacheGenFormatError(f"blob was written by coder {h.get('coder')!r}, not available here") from None
-        layout = StreamLayout(np.concatenate([[0], np.cumsum(geo.stream_sizes())]).astype(np.int64), self._table_ids(geo, level))
+        layout = stream_layout(geo, level, self._tables)
         try:
             symbols = coder.decode(c.streams, layout, freqs)
         except CoderError:
             raise
         except Exception as e:  # a coder must never leak another exception type
             raise CoderError(f"coder {coder.name} failed: {e}") from e
-        qs = _unflatten_symbols(symbols, geo, self.config)
+        qs = unflatten_symbols(torch.from_numpy(symbols), geo)
         dtype = DTYPES[h["dtype"]]
         out = []
         for kind in range(2):
@@ -302,65 +257,3 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _bits(qs: list[Quantized], name: str) -> np.ndarray:
     return torch.stack([to_bf16_bits(getattr(q, name)) for q in qs]).numpy().astype(np.uint16)
-
-
-def _flatten_symbols(qs: list[Quantized], geo: _Geometry, config: CodecConfig) -> np.ndarray:
-    """Symbols of both kinds in substream order (kind, layer, block, anchors|deltas), token-major."""
-    anchors = torch.stack([q.anchors for q in qs])  # (2, L, nA, C)
-    deltas = torch.stack([q.deltas for q in qs])  # (2, L, nD, C)
-    parts = []
-    a0 = d0 = 0
-    for na, nd in zip(geo.anchors_per_block, geo.deltas_per_block):
-        parts.append(anchors[:, :, a0 : a0 + na].reshape(2, geo.layers, -1))
-        parts.append(deltas[:, :, d0 : d0 + nd].reshape(2, geo.layers, -1))
-        a0, d0 = a0 + na, d0 + nd
-    return torch.cat(parts, dim=2).reshape(-1).numpy()
-
-
-def _unflatten_symbols(symbols: np.ndarray, geo: _Geometry, config: CodecConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Inverse of ``_flatten_symbols``: per kind, anchors ``(L, nA, C)`` and deltas ``(L, nD, C)``."""
-    per_kl = torch.from_numpy(symbols).reshape(2, geo.layers, -1)
-    sizes = [n * geo.channels for pair in zip(geo.anchors_per_block, geo.deltas_per_block) for n in pair]
-    pieces = torch.split(per_kl, sizes, dim=2)
-    anchors = torch.cat([p.reshape(2, geo.layers, -1, geo.channels) for p in pieces[0::2]], dim=2)
-    deltas = torch.cat([p.reshape(2, geo.layers, -1, geo.channels) for p in pieces[1::2]], dim=2)
-    return [(anchors[k], deltas[k]) for k in range(2)]
-
-
-def _inline_tables(symbols: np.ndarray, layout: StreamLayout, geo: _Geometry) -> np.ndarray:
-    """One table per (kind, layer, part), measured on this chunk's own symbols."""
-    table_of_symbol = np.repeat(layout.table_ids[:, 0].astype(np.int64), layout.counts())
-    counts = np.bincount(table_of_symbol * ALPHABET + symbols, minlength=4 * geo.layers * ALPHABET)
-    return counts_to_freqs(counts.reshape(4 * geo.layers, ALPHABET), alpha=0.0)
-
-
-def _stats(blob: bytes, payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, geo: _Geometry) -> dict[str, Any]:
-    """Bits per element, split by kind, anchor/delta and layer group, coded and ideal."""
-    elements = 2 * geo.layers * geo.tokens * geo.channels
-    coded = np.array([8 * len(p) for p in payloads], dtype=np.float64)
-    n = layout.n_streams
-    spk = geo.streams_per_kl
-    kind = np.arange(n) // (geo.layers * spk)
-    layer = (np.arange(n) // spk) % geo.layers
-    part = np.arange(n) % 2
-    group = (layer * 3) // geo.layers
-    ideal = ideal_bits_per_stream(symbols, layout, freqs)
-    out: dict[str, Any] = {
-        "elements": elements,
-        "blob_bytes": len(blob),
-        "bits_per_element": 8 * len(blob) / elements,
-        "payload_bits_per_element": coded.sum() / elements,
-        "ideal_bits_per_element": ideal.sum() / elements,
-        "side_info_bits_per_element": 8 * (len(blob) - coded.sum() / 8) / elements,
-    }
-    for name, mask in {
-        "keys": kind == 0,
-        "values": kind == 1,
-        "anchors": part == 0,
-        "deltas": part == 1,
-        "layers_early": group == 0,
-        "layers_middle": group == 1,
-        "layers_late": group == 2,
-    }.items():
-        out[f"{name}_bits_per_element"] = coded[mask].sum() / elements
-    return out

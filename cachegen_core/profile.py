@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from .quantize import ALPHABET
 
 PROFILE_FORMAT = "cachegen-profile-v1"
 MAX_PROFILE_TABLES = 1 << 24
+IntOrArray = Union[int, np.ndarray]
 
 
 def counts_to_freqs(counts: np.ndarray, alpha: float = 0.05) -> np.ndarray:
@@ -67,12 +68,12 @@ class TableLayout:
     def n_tables(self) -> int:
         return 2 * self.num_layers * self.channels * (1 + self.n_levels)
 
-    def anchor_base(self, kind: int, layer: int) -> int:
-        """Id of the table of channel 0 for anchors of (kind, layer); channels follow."""
+    def anchor_base(self, kind: IntOrArray, layer: IntOrArray) -> IntOrArray:
+        """Id of the table of channel 0 for anchors of (kind, layer); channels follow. Broadcasts over arrays."""
         return (kind * self.num_layers + layer) * self.channels
 
-    def delta_base(self, level: int, kind: int, layer: int) -> int:
-        """Id of the table of channel 0 for deltas of (level, kind, layer); channels follow."""
+    def delta_base(self, level: int, kind: IntOrArray, layer: IntOrArray) -> IntOrArray:
+        """Id of the table of channel 0 for deltas of (level, kind, layer); channels follow. Broadcasts over arrays."""
         head = 2 * self.num_layers * self.channels
         return head + ((level * 2 + kind) * self.num_layers + layer) * self.channels
 
