@@ -10,7 +10,7 @@ into substreams and which table codes each: ``substreams.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from .bitstats import encode_stats
 from .coders import Coder, StreamLayout, default_coder, get_coder
 from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
-from .format import Limits, pack, unpack
+from .format import Container, Limits, pack, unpack
 from .kv import KVCache, KVShapeError, merge_heads, split_heads
 from .profile import Profile, TableLayout
 from .quantize import ALPHABET, DELTA_OFFSET, DELTA_RADIUS, Quantized, from_bf16_bits, to_bf16_bits
@@ -29,6 +29,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 _MAX_DIM = 1 << 14
 #: A blob may decode to at most this many KV elements per byte (0.004 bits per element).
 MAX_ELEMENTS_PER_BYTE = 2048
+#: The per-(kind, layer, channel) quantisation parameters, each a section of raw bfloat16 bits.
+_PARAMS = ("anchor_min", "anchor_step", "delta_step")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,23 @@ class Prepared:
     layout: StreamLayout
     freqs: np.ndarray
     sections: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    """A blob's header once checked against a codec (``KVCodec.check_header``): what decoding needs."""
+
+    level: int
+    shape: tuple[int, int, int, int]  # (layers, kv_heads, tokens, head_dim)
+    dtype: torch.dtype  # of the KV that was encoded, and is decoded
+    tables: str  # "inline" (in the blob) or "profile"
+    coder: str  # the coder (byte format) of the substreams
+    profile_id: str | None
+    model_fingerprint: str
+
+    @property
+    def channels(self) -> int:
+        return self.shape[1] * self.shape[3]
 
 
 class KVCodec:
@@ -108,7 +127,7 @@ class KVCodec:
         geo = ChunkGeometry.of(layers, tokens, heads * dim, self.config)
         symbols = flatten_symbols(qs, geo)
         layout = stream_layout(geo, level, self._tables)
-        sections = {name: _bits(qs, name) for name in ("anchor_min", "anchor_step", "delta_step")}
+        sections = {name: _bits(qs, name) for name in _PARAMS}
         if self.profile is None:
             freqs = inline_tables(symbols, layout, geo)
             sections["tables"] = freqs.astype(np.uint16)
@@ -156,10 +175,22 @@ class KVCodec:
                 )
 
     # ---------------------------------------------------------------- decoding
-    def decode(self, blob: bytes) -> KVCache:
-        """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``."""
+    def decode(self, blob: bytes, level: int | None = None) -> KVCache:
+        """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``.
+
+        ``level``: when given, the level the blob must be at (a blob stored under another
+        level's key is then a format error).
+        """
         c = unpack(blob, self.limits)
-        h = c.header
+        return self._reconstruct(self.check_header(c.header, len(blob), level), c)
+
+    def check_header(self, header: Mapping[str, Any], blob_bytes: int, level: int | None = None) -> BlobHeader:
+        """Check a blob's header (of a blob of ``blob_bytes`` bytes) against this codec.
+
+        Returns what decoding needs from it; ``CacheGenFormatError`` saying what is wrong
+        otherwise (including a level other than ``level``, when given).
+        """
+        h = header
         for key in ("codec", "codec_id", "tables", "dtype", "coder", "model_fingerprint"):
             if not isinstance(h.get(key), str):
                 raise CacheGenFormatError(f"header field {key!r} must be a string, got {h.get(key)!r}")
@@ -167,15 +198,17 @@ class KVCodec:
             raise CacheGenFormatError(f"blob was written by codec {h.get('codec_id')!r}, this codec is {self.codec_id}")
         if self.fingerprint and h.get("model_fingerprint") != self.fingerprint:
             raise CacheGenFormatError("blob belongs to another model (fingerprint mismatch)")
-        tables = h.get("tables")
+        tables = h["tables"]
         if tables == "profile":
             if self.profile is None or h.get("profile_id") != self.profile.id:
                 raise CacheGenFormatError(f"blob needs profile {h.get('profile_id')!r}, this codec has {self.profile_id!r}")
         elif tables != "inline" or h.get("profile_id") is not None:
             raise CacheGenFormatError(f"bad table source {tables!r}")
-        level = h.get("level")
-        if level not in self.levels or isinstance(level, bool):
-            raise CacheGenFormatError(f"bad level {level!r}")
+        blob_level = h.get("level")
+        if blob_level not in self.levels or isinstance(blob_level, bool):
+            raise CacheGenFormatError(f"bad level {blob_level!r}")
+        if level is not None and blob_level != level:
+            raise CacheGenFormatError(f"blob is at level {blob_level}, expected level {level}")
         shape = h.get("shape")
         if (
             not isinstance(shape, list)
@@ -186,68 +219,65 @@ class KVCodec:
             or not 1 <= shape[2] <= self.max_tokens
         ):
             raise CacheGenFormatError(f"bad shape {shape!r} (tokens limited to max_tokens={self.max_tokens})")
-        if h.get("dtype") not in DTYPES:
-            raise CacheGenFormatError(f"bad dtype {h.get('dtype')!r}")
+        if h["dtype"] not in DTYPES:
+            raise CacheGenFormatError(f"bad dtype {h['dtype']!r}")
         layers, heads, tokens, dim = shape
-        channels = heads * dim
-        elements = 2 * layers * tokens * channels
+        elements = 2 * layers * tokens * heads * dim
         # rANS can spend almost no bits on a near-certain symbol: bound what a blob may expand to.
-        if elements > self.limits.max_section_elements or elements > MAX_ELEMENTS_PER_BYTE * len(blob):
-            raise CacheGenFormatError(f"shape {shape} claims {elements} elements, too many for a blob of {len(blob)} bytes")
-        if self.profile is not None and tables == "profile":
-            m = self.profile.meta
-            if (layers, channels) != (m["num_layers"], m["channels"]):
+        if elements > self.limits.max_section_elements or elements > MAX_ELEMENTS_PER_BYTE * blob_bytes:
+            raise CacheGenFormatError(f"shape {shape} claims {elements} elements, too many for a blob of {blob_bytes} bytes")
+        if tables == "profile":
+            m = self.profile.meta  # type: ignore[union-attr]
+            if (layers, heads * dim) != (m["num_layers"], m["channels"]):
                 raise CacheGenFormatError("blob shape does not match the profile's model")
-        geo = ChunkGeometry.of(layers, tokens, channels, self.config)
+        return BlobHeader(blob_level, (layers, heads, tokens, dim), DTYPES[h["dtype"]], tables, h["coder"], h.get("profile_id"), h["model_fingerprint"])
+
+    def _reconstruct(self, h: BlobHeader, c: Container) -> KVCache:
+        """The KV of a blob whose header passed ``check_header``: check its sections and substreams, decode, dequantise."""
+        layers, heads, tokens, _ = h.shape
+        geo = ChunkGeometry.of(layers, tokens, h.channels, self.config)
         if len(c.streams) != geo.n_streams:
-            raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {shape} needs {geo.n_streams}")
-        expected = {"anchor_min": (2, layers, channels), "anchor_step": (2, layers, channels), "delta_step": (2, layers, channels)}
-        if tables == "inline":
-            expected["tables"] = (n_inline_tables(layers), ALPHABET)
-        got = {k: v.shape for k, v in c.sections.items()}
-        if got != expected or any(c.sections[k].dtype != np.uint16 for k in expected):
-            raise CacheGenFormatError(f"sections {got} do not match the expected {expected}")
-        params = {k: from_bf16_bits(torch.from_numpy(c.sections[k].astype(np.int32))) for k in ("anchor_min", "anchor_step", "delta_step")}
-        if not all(torch.isfinite(v).all() for v in params.values()):
-            raise CacheGenFormatError("non-finite quantisation parameters")
-        if not ((params["anchor_step"] > 0).all() and (params["delta_step"] > 0).all()):
-            raise CacheGenFormatError("quantisation steps must be positive")
-        if tables == "inline":
-            freqs = c.sections["tables"].astype(np.uint32)
-        else:
-            freqs = self.profile.freqs  # type: ignore[union-attr]
+            raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {list(h.shape)} needs {geo.n_streams}")
+        params, freqs = self._side_info(h, c)
         try:
-            coder = get_coder(h.get("coder"))  # type: ignore[arg-type]
-        except (KeyError, TypeError):
-            raise CacheGenFormatError(f"blob was written by coder {h.get('coder')!r}, not available here") from None
-        layout = stream_layout(geo, level, self._tables)
+            coder = get_coder(h.coder)
+        except KeyError:
+            raise CacheGenFormatError(f"blob was written by coder {h.coder!r}, not available here") from None
+        layout = stream_layout(geo, h.level, self._tables)
         try:
-            symbols = coder.decode(c.streams, layout, freqs)
+            symbols = torch.from_numpy(coder.decode(c.streams, layout, freqs))
         except CoderError:
             raise
         except Exception as e:  # a coder must never leak another exception type
             raise CoderError(f"coder {coder.name} failed: {e}") from e
-        qs = unflatten_symbols(torch.from_numpy(symbols), geo)
-        dtype = DTYPES[h["dtype"]]
         out = []
-        for kind in range(2):
-            anchors, deltas = qs[kind]
-            low_a = 0 if self.config.anchor_offset == 0 else DELTA_OFFSET - DELTA_RADIUS
-            if (deltas.numel() and int(deltas.min()) < DELTA_OFFSET - DELTA_RADIUS) or int(anchors.min()) < low_a:
+        low_anchor = 0 if self.config.anchor_offset == 0 else DELTA_OFFSET - DELTA_RADIUS
+        for kind, (anchors, deltas) in enumerate(unflatten_symbols(symbols, geo)):
+            if (deltas.numel() and int(deltas.min()) < DELTA_OFFSET - DELTA_RADIUS) or int(anchors.min()) < low_anchor:
                 raise CacheGenFormatError("symbol out of range")
-            q = Quantized(
-                anchors,
-                deltas,
-                params["anchor_min"][kind],
-                params["anchor_step"][kind],
-                params["delta_step"][kind],
-                self.config.anchor_offset,
-            )
-            x = split_heads(self.config.dequantize(q, tokens), heads).to(dtype).contiguous()
+            q = Quantized(anchors, deltas, *(params[name][kind] for name in _PARAMS), self.config.anchor_offset)
+            x = split_heads(self.config.dequantize(q, tokens), heads).to(h.dtype).contiguous()
             if not torch.isfinite(x).all():  # checked in the blob's dtype: float16 overflows past 65504
                 raise CacheGenFormatError("decoded KV is not finite")
             out.append(x)
         return KVCache(out[0], out[1])
+
+    def _side_info(self, h: BlobHeader, c: Container) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+        """The checked quantisation parameters (float32 ``(2, layers, channels)`` each) and the frequency tables."""
+        layers, channels = h.shape[0], h.channels
+        expected = {name: (2, layers, channels) for name in _PARAMS}
+        if h.tables == "inline":
+            expected["tables"] = (n_inline_tables(layers), ALPHABET)
+        got = {k: v.shape for k, v in c.sections.items()}
+        if got != expected or any(c.sections[k].dtype != np.uint16 for k in expected):
+            raise CacheGenFormatError(f"sections {got} do not match the expected {expected}")
+        params = {k: from_bf16_bits(torch.from_numpy(c.sections[k].astype(np.int32))) for k in _PARAMS}
+        if not all(torch.isfinite(v).all() for v in params.values()):
+            raise CacheGenFormatError("non-finite quantisation parameters")
+        if not ((params["anchor_step"] > 0).all() and (params["delta_step"] > 0).all()):
+            raise CacheGenFormatError("quantisation steps must be positive")
+        freqs = c.sections["tables"].astype(np.uint32) if h.tables == "inline" else self.profile.freqs  # type: ignore[union-attr]
+        return params, freqs
 
 
 # -------------------------------------------------------------------- helpers

@@ -186,3 +186,25 @@ def test_forged_header_cannot_make_the_decoder_allocate_without_bound():
 
     with pytest.raises(CacheGenFormatError, match="string"):
         KVCodec(fingerprint="m1").decode(_repack(blob, list_dtype))
+
+
+def test_decode_checks_the_expected_level(tiny_kv):
+    codec = KVCodec()
+    blob = codec.encode(tiny_kv.slice(0, 30), 2)
+    assert torch.equal(codec.decode(blob, level=2).keys, codec.decode(blob).keys)
+    for other in (0, 1, 3):  # a blob planted under another level's key
+        with pytest.raises(CacheGenFormatError, match="level 2, expected level"):
+            codec.decode(blob, level=other)
+
+
+def test_check_header_returns_what_decoding_needs(tiny_kv):
+    codec = KVCodec(fingerprint="m1")
+    kv = tiny_kv.slice(0, 30).to(torch.float16)
+    blob = codec.encode(kv, 3)
+    h = codec.check_header(read_header(blob), len(blob))
+    assert (h.level, h.shape, h.dtype, h.tables, h.coder) == (3, kv.shape, torch.float16, "inline", codec.coder.name)
+    assert (h.profile_id, h.model_fingerprint, h.channels) == (None, "m1", kv.num_kv_heads * kv.head_dim)
+    with pytest.raises(CacheGenFormatError, match="another model"):
+        KVCodec(fingerprint="m2").check_header(read_header(blob), len(blob))
+    with pytest.raises(CacheGenFormatError, match="too many"):  # a header cannot claim more than its blob can hold
+        codec.check_header(read_header(blob), 1)
