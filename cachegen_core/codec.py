@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .bitstats import encode_stats
-from .coders import Coder, StreamLayout, default_coder, get_coder
+from .coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, default_coder, get_decoder
 from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
@@ -70,6 +70,11 @@ class KVCodec:
     ``fingerprint`` (the model fingerprint) is written into every blob and, when set,
     required of every blob decoded. ``coder`` defaults to the fastest available.
     ``limits`` and ``max_tokens`` bound what a blob may make the decoder allocate.
+    ``device`` (default the CPU) is where decoding runs and the decoded KV is returned:
+    on ``cuda`` the substreams are decoded by the GPU decoder of the blob's coder and
+    dequantised there by torch. A device whose decoder cannot run here raises
+    ``BackendUnavailable`` (at construction for ``coder``'s format, at decode for a
+    blob's); it is never silently replaced by another.
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class KVCodec:
         fingerprint: str = "",
         limits: Limits = Limits(),
         max_tokens: int = 1 << 17,
+        device: str | torch.device | None = None,
     ) -> None:
         self.config = config or CodecConfig()
         if profile is not None and profile.codec_id != self.config.codec_id:
@@ -92,6 +98,12 @@ class KVCodec:
         self.fingerprint = fingerprint
         self.limits = limits
         self.max_tokens = max_tokens
+        self.device = torch.device("cpu" if device is None else device)
+        if self.device.type != "cpu":  # fail now, not at the first blob
+            try:
+                get_decoder(self.coder.name, self.device)
+            except KeyError:
+                raise BackendUnavailable(f"coder {self.coder.name!r} is not registered: no {self.device.type} decoder") from None
 
     @property
     def levels(self) -> list[int]:
@@ -175,14 +187,16 @@ class KVCodec:
                 )
 
     # ---------------------------------------------------------------- decoding
-    def decode(self, blob: bytes, level: int | None = None) -> KVCache:
+    def decode(self, blob: bytes, level: int | None = None, *, device: str | torch.device | None = None) -> KVCache:
         """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``.
 
         ``level``: when given, the level the blob must be at (a blob stored under another
-        level's key is then a format error).
+        level's key is then a format error). ``device``: where to decode, instead of the
+        codec's ``device`` (``BackendUnavailable`` when the blob's coder cannot decode there).
         """
         c = unpack(blob, self.limits)
-        return self._reconstruct(self.check_header(c.header, len(blob), level), c)
+        h = self.check_header(c.header, len(blob), level)
+        return self._reconstruct(h, c, self.device if device is None else torch.device(device))
 
     def check_header(self, header: Mapping[str, Any], blob_bytes: int, level: int | None = None) -> BlobHeader:
         """Check a blob's header (of a blob of ``blob_bytes`` bytes) against this codec.
@@ -232,35 +246,42 @@ class KVCodec:
                 raise CacheGenFormatError("blob shape does not match the profile's model")
         return BlobHeader(blob_level, (layers, heads, tokens, dim), DTYPES[h["dtype"]], tables, h["coder"], h.get("profile_id"), h["model_fingerprint"])
 
-    def _reconstruct(self, h: BlobHeader, c: Container) -> KVCache:
-        """The KV of a blob whose header passed ``check_header``: check its sections and substreams, decode, dequantise."""
+    def _reconstruct(self, h: BlobHeader, c: Container, device: torch.device) -> KVCache:
+        """The KV of a blob whose header passed ``check_header``: check its sections and substreams,
+        decode them on ``device`` and dequantise there."""
         layers, heads, tokens, _ = h.shape
         geo = ChunkGeometry.of(layers, tokens, h.channels, self.config)
         if len(c.streams) != geo.n_streams:
             raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {list(h.shape)} needs {geo.n_streams}")
         params, freqs = self._side_info(h, c)
-        try:
-            coder = get_coder(h.coder)
-        except KeyError:
-            raise CacheGenFormatError(f"blob was written by coder {h.coder!r}, not available here") from None
+        decoder = self._decoder(h.coder, device)
         layout = stream_layout(geo, h.level, self._tables)
         try:
-            symbols = torch.from_numpy(coder.decode(c.streams, layout, freqs))
+            symbols = decoder.decode_symbols(c.streams, layout, freqs)
         except CoderError:
             raise
         except Exception as e:  # a coder must never leak another exception type
-            raise CoderError(f"coder {coder.name} failed: {e}") from e
+            raise CoderError(f"coder {decoder.name} failed: {e}") from e
+        dev = symbols.device
         out = []
         low_anchor = 0 if self.config.anchor_offset == 0 else DELTA_OFFSET - DELTA_RADIUS
         for kind, (anchors, deltas) in enumerate(unflatten_symbols(symbols, geo)):
             if (deltas.numel() and int(deltas.min()) < DELTA_OFFSET - DELTA_RADIUS) or int(anchors.min()) < low_anchor:
                 raise CacheGenFormatError("symbol out of range")
-            q = Quantized(anchors, deltas, *(params[name][kind] for name in _PARAMS), self.config.anchor_offset)
+            q = Quantized(anchors, deltas, *(params[name][kind].to(dev) for name in _PARAMS), self.config.anchor_offset)
             x = split_heads(self.config.dequantize(q, tokens), heads).to(h.dtype).contiguous()
             if not torch.isfinite(x).all():  # checked in the blob's dtype: float16 overflows past 65504
                 raise CacheGenFormatError("decoded KV is not finite")
             out.append(x)
         return KVCache(out[0], out[1])
+
+    @staticmethod
+    def _decoder(coder: str, device: torch.device) -> SymbolDecoder:
+        """The decoder of ``coder``'s substreams on ``device``; a coder missing here is a format error."""
+        try:
+            return get_decoder(coder, device)
+        except KeyError:
+            raise CacheGenFormatError(f"blob was written by coder {coder!r}, not available here") from None
 
     def _side_info(self, h: BlobHeader, c: Container) -> tuple[dict[str, torch.Tensor], np.ndarray]:
         """The checked quantisation parameters (float32 ``(2, layers, channels)`` each) and the frequency tables."""

@@ -10,15 +10,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from cachegen_core import coders
+from cachegen_core.codec import KVCodec
 from cachegen_core.coders import default_coder, get_coder, get_decoder
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, ideal_bits_per_stream
 from cachegen_core.coders.native import NativeCoder
 from cachegen_core.coders.native_lib import CSRC, available, cpu_library
 from cachegen_core.coders.reference import ReferenceCoder
+from cachegen_core.config import CodecConfig
 from cachegen_core.errors import CoderError
+from cachegen_core.kv import KVCache
+from cachegen_core.profile import Profile
 
 pytestmark = pytest.mark.skipif(not available(), reason="native coder library not built")
 
@@ -277,12 +282,7 @@ def test_cuda_sources_compile(tmp_path: Path):
 
 
 def _cuda_ready() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available() and shutil.which("nvcc") is not None
-    except ImportError:
-        return False
+    return torch.cuda.is_available() and shutil.which("nvcc") is not None
 
 
 @pytest.mark.skipif(not _cuda_ready(), reason="needs a GPU and nvcc")
@@ -321,3 +321,13 @@ def test_cuda_decode_equals_cpu_decode():
                 gpu_bad = None
             assert (cpu_bad is None) == (gpu_bad is None)
             assert cpu_bad is None or np.array_equal(cpu_bad, gpu_bad)
+    # the codec on the GPU: substreams decoded and dequantised there, the same KV as on the CPU
+    torch.manual_seed(0)
+    kv = KVCache(torch.randn(2, 2, 300, 16).cumsum(2), torch.randn(2, 2, 300, 16))
+    profile = Profile.fit(CodecConfig(), [kv], chunk_tokens=150)
+    for prof, dtype in ((None, torch.float16), (profile, torch.float32)):
+        blob = KVCodec(CodecConfig(), prof, coder=c).encode(kv.to(dtype), 1)
+        want = KVCodec(CodecConfig(), prof).decode(blob)
+        got = KVCodec(CodecConfig(), prof, device="cuda").decode(blob)
+        assert got.keys.device.type == "cuda" and got.dtype == dtype
+        assert torch.equal(got.keys.cpu(), want.keys) and torch.equal(got.values.cpu(), want.values)
