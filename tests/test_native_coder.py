@@ -1,9 +1,15 @@
 """The native rANS coder: exact round trips, agreement with the torchac oracle, a frozen byte
-format, hostile input, the coder registry, and (where nvcc / a GPU exist) the CUDA decoder."""
+format, hostile input, the coder registry, and (where nvcc / a GPU exist) the CUDA decoder.
+
+Without the native library these tests are skipped, except under ``CI`` (set and not
+``0``/``false``/``no``), where they fail with the load error: a broken build must not
+hide behind the torchac fallback.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,14 +24,33 @@ from cachegen_core.codec import KVCodec
 from cachegen_core.coders import default_coder, get_coder, get_decoder
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, ideal_bits_per_stream
 from cachegen_core.coders.native import NativeCoder
-from cachegen_core.coders.native_lib import CSRC, available, cpu_library
+from cachegen_core.coders.native_lib import CSRC, cpu_library, load_error
 from cachegen_core.coders.reference import ReferenceCoder
 from cachegen_core.config import CodecConfig
 from cachegen_core.errors import CoderError
 from cachegen_core.kv import KVCache
 from cachegen_core.profile import Profile
 
-pytestmark = pytest.mark.skipif(not available(), reason="native coder library not built")
+
+
+def _in_ci() -> bool:
+    """The rule of ``tests/redis_fixture.py``: ``CI`` set to anything but empty, 0, false or no."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _native_library() -> None:
+    """Skip the module without the native library, or fail it under CI with the reason."""
+    error = load_error()
+    if error is not None:
+        if _in_ci():
+            pytest.fail(f"{error} (the native coder is required when CI is set)", pytrace=False)
+        pytest.skip(error)
+
+
+@pytest.mark.skipif(not _in_ci(), reason="only CI requires the native coder")
+def test_ci_codes_with_the_native_coder():
+    assert default_coder().name == NativeCoder.name
 
 
 def tables(rng: np.random.Generator, n_tables: int, alphabet: int, concentration: float = 0.3, near_zero: bool = False) -> np.ndarray:
