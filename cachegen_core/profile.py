@@ -18,9 +18,9 @@ from typing import Any, Iterable, Union
 import numpy as np
 import torch
 
-from .coders.base import TOTAL_FREQ
+from .coders.base import TOTAL_FREQ, validate_freqs
 from .config import CodecConfig
-from .errors import CacheGenFormatError
+from .errors import CacheGenFormatError, CoderError
 from .kv import KVCache, merge_heads
 from .paths import cache_dir
 from .quantize import ALPHABET
@@ -191,8 +191,10 @@ class Profile:
         if freqs.dtype != np.uint16 or freqs.ndim != 2:
             raise CacheGenFormatError(f"profile {path}: tables must be 2-D uint16")
         f32 = freqs.astype(np.uint32)
-        if f32.min(initial=1) < 1 or np.any(f32.sum(axis=1, dtype=np.int64) != TOTAL_FREQ):
-            raise CacheGenFormatError(f"profile {path}: tables are not normalised to {TOTAL_FREQ}")
+        try:
+            validate_freqs(f32)
+        except CoderError:
+            raise CacheGenFormatError(f"profile {path}: tables are not normalised to {TOTAL_FREQ}") from None
         return cls(f32, meta)
 
 
