@@ -244,7 +244,15 @@ class KVCodec:
             m = self.profile.meta  # type: ignore[union-attr]
             if (layers, heads * dim) != (m["num_layers"], m["channels"]):
                 raise CacheGenFormatError("blob shape does not match the profile's model")
-        return BlobHeader(blob_level, (layers, heads, tokens, dim), DTYPES[h["dtype"]], tables, h["coder"], h.get("profile_id"), h["model_fingerprint"])
+        return BlobHeader(
+            level=blob_level,
+            shape=(layers, heads, tokens, dim),
+            dtype=DTYPES[h["dtype"]],
+            tables=tables,
+            coder=h["coder"],
+            profile_id=h.get("profile_id"),
+            model_fingerprint=h["model_fingerprint"],
+        )
 
     def _reconstruct(self, h: BlobHeader, c: Container, device: torch.device) -> KVCache:
         """The KV of a blob whose header passed ``check_header``: check its sections and substreams,

@@ -1,4 +1,7 @@
-"""The entropy-coder interface shared by the reference (torchac) and native coders.
+"""The entropy-coder interfaces and the rules every coder shares.
+
+``Coder``: one byte format's encoder and CPU decoder (reference/torchac, native).
+``SymbolDecoder``: a decoder of one byte format on one device (``registry.get_decoder``).
 
 A coder turns many independent *substreams* of 8-bit symbols into one byte string
 each, and back. Probability models are plain data, kept apart from the coder (as in
