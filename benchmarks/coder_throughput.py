@@ -131,7 +131,8 @@ def load_chunk(path: str) -> tuple[str, np.ndarray, StreamLayout, np.ndarray]:
 def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, *, reps: int, torchac_symbols: int,
             cuda: bool, out: TextIO | None, cpu_threads: list[int]) -> None:  # fmt: skip
     """Time every coder on one chunk and print its JSON lines."""
-    from cachegen_core.coders.native import NativeCoder, available  # noqa: PLC0415
+    from cachegen_core.coders.native import NativeCoder  # noqa: PLC0415
+    from cachegen_core.coders.native_lib import available  # noqa: PLC0415
 
     entropy = ideal_bits_per_stream(symbols, layout, freqs).sum() / layout.n_symbols
     base: dict[str, Any] = {"data": data, "substreams": layout.n_streams, "tables": int(freqs.shape[0])}
