@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..errors import CacheGenError, CoderError
+from ..errors import BackendUnavailable, CoderError  # noqa: F401  (BackendUnavailable re-exported)
 
 if TYPE_CHECKING:
     import torch
@@ -106,13 +106,6 @@ def ideal_bits_per_stream(symbols: np.ndarray, layout: StreamLayout, freqs: np.n
     f = freqs[layout.table_ids[stream_of, column], symbols]
     del column
     return np.bincount(stream_of, weights=PRECISION - np.log2(f, dtype=np.float64), minlength=layout.n_streams)
-
-
-class BackendUnavailable(CacheGenError, RuntimeError):
-    """A coder or decoder backend asked for cannot run here (no GPU, no nvcc, library not built...).
-
-    Not a ``CacheGenFormatError``: the blob is fine, this process is not set up to decode it so.
-    """
 
 
 @runtime_checkable
