@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, TextIO
 import numpy as np
 
 from benchmarks.common import add_data_option, emit
-from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, cross_entropy_bits
+from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, ideal_bits_per_stream
 from cachegen_core.config import CodecConfig
 
 
@@ -134,9 +134,10 @@ def load_chunk(path: str) -> tuple[str, np.ndarray, StreamLayout, np.ndarray]:
 def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, *, reps: int, torchac_symbols: int,
             cuda: bool, out: TextIO | None, cpu_threads: list[int]) -> None:  # fmt: skip
     """Time every coder on one chunk and print its JSON lines."""
-    from cachegen_core.coders.native import NativeCoder, available  # noqa: PLC0415
+    from cachegen_core.coders.native import NativeCoder  # noqa: PLC0415
+    from cachegen_core.coders.native_lib import available  # noqa: PLC0415
 
-    entropy = cross_entropy_bits(symbols, layout, freqs) / layout.n_symbols
+    entropy = ideal_bits_per_stream(symbols, layout, freqs).sum() / layout.n_symbols
     base: dict[str, Any] = {"data": data, "substreams": layout.n_streams, "tables": int(freqs.shape[0])}
     speed = {"encode": None, "decode": None}
     ref = torchac_lines(symbols, layout, freqs, torchac_symbols) if torchac_symbols else []
@@ -176,11 +177,11 @@ def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout,
 
         if not torch.cuda.is_available():
             return
-        from cachegen_core.coders import native_cuda  # noqa: PLC0415
+        from cachegen_core.coders import get_decoder, native_cuda  # noqa: PLC0415
         from cachegen_core.coders.native import NativeCoder  # noqa: PLC0415
 
-        coder = NativeCoder()
-        gpu = coder.decode_cuda(payloads, layout, freqs)  # warm-up: JIT build, tables to the GPU
+        coder = get_decoder(NativeCoder.name, "cuda")
+        gpu = coder.decode_symbols(payloads, layout, freqs)  # warm-up: JIT build, tables to the GPU
     except Exception as e:
         print(f"# CUDA decode unavailable: {type(e).__name__}: {e}", file=sys.stderr)
         return
@@ -188,7 +189,7 @@ def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout,
     calls, kernels = [], []
     for _ in range(max(reps, 5)):
         calls.append(native_cuda.timed_decode(coder, payloads, layout, freqs)[1])
-        kernels.append(coder.last_cuda_kernel_s)
+        kernels.append(coder.last_kernel_s)
     bps = 8 * sum(map(len, payloads)) / layout.n_symbols
     name = f"{coder.name}-cuda-{torch.cuda.get_device_name()}"
     line(name, "decode", None, min(kernels), bps, timed="kernel")
@@ -210,7 +211,7 @@ def torchac_lines(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, 
     t_dec, decoded = best_time(lambda: ref.decode(payloads, sub, freqs), 1)
     assert np.array_equal(decoded, s)
     bps = 8 * sum(map(len, payloads)) / sub.n_symbols
-    ent = cross_entropy_bits(s, sub, freqs) / sub.n_symbols
+    ent = ideal_bits_per_stream(s, sub, freqs).sum() / sub.n_symbols
     return [{"coder": ref.name, "op": op, "threads": 1, "symbols": sub.n_symbols, "seconds": round(t, 4),
              "msym_per_s": round(sub.n_symbols / t / 1e6, 2), "bits_per_symbol": round(bps, 4),
              "entropy_bits_per_symbol": round(ent, 4)} for op, t in (("encode", t_enc), ("decode", t_dec))]  # fmt: skip

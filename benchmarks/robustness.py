@@ -383,7 +383,7 @@ def scenario_redis_killed_mid_stream(bench: Bench) -> dict[str, Any]:
         killed = threading.Event()
 
         def kill_after_first_get(key: str, value: bytes | None) -> None:
-            if not killed.is_set():
+            if not killed.is_set() and not key.endswith("-M"):  # after the first blob, not the manifests
                 killed.set()
                 server.stop(kill=True)
 

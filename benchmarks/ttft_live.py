@@ -193,10 +193,10 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
 
         def workload() -> Workload:
             cm = reader.cost_model
-            costs = [ChunkCost(s, {lv: cm["decode_s_per_token"].get(lv, 0.0) * args.chunk_tokens for lv in levels},
+            costs = [ChunkCost(s, {lv: cm.decode_s_per_token.get(lv, 0.0) * args.chunk_tokens for lv in levels},
                                args.chunk_tokens) for s in blob_sizes]  # fmt: skip
             tail = len(prompt) - len(keys) * args.chunk_tokens
-            return Workload(costs, tail, cm["prefill_s_per_token"], fp16_b, u8_b, float(np.mean(dequant_s)) if dequant_s else 0.0)
+            return Workload(costs, tail, cm.prefill_s_per_token, fp16_b, u8_b, float(np.mean(dequant_s)) if dequant_s else 0.0)
 
         # warm-up on the direct connection: the engine learns its prefill and per-level decode speed
         text()

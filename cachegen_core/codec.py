@@ -3,67 +3,34 @@
 A blob holds one chunk of a context's KV at one level: quantised anchors and deltas
 (``quantize.py``), range-coded in independent substreams (``coders/``) with the
 tables of a ``Profile`` (or, without one, tables measured on the chunk and stored in
-the blob), inside the checksummed container of ``format.py``.
-
-Substreams: for each kind (K, V), layer and block of ``config.tokens_per_stream(channels)`` tokens,
-one substream of anchors and one of deltas, each in token-major order, so symbol
-``j`` of a substream belongs to channel ``j % channels``.
+the blob), inside the checksummed container of ``format.py``. How symbols are cut
+into substreams and which table codes each: ``substreams.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from .coders import Coder, StreamLayout, default_coder, get_coder
+from .bitstats import encode_stats
+from .coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, default_coder, get_decoder
 from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
-from .format import Limits, pack, unpack
-from .kv import KVCache, KVShapeError
-from .profile import Profile, counts_to_freqs, kind_to_ltc, ltc_to_kind
+from .format import Container, Limits, pack, unpack
+from .kv import KVCache, KVShapeError, merge_heads, split_heads
+from .profile import Profile, TableLayout
 from .quantize import ALPHABET, DELTA_OFFSET, DELTA_RADIUS, Quantized, from_bf16_bits, to_bf16_bits
+from .substreams import ChunkGeometry, flatten_symbols, inline_tables, n_inline_tables, stream_layout, unflatten_symbols
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MAX_DIM = 1 << 14
 #: A blob may decode to at most this many KV elements per byte (0.004 bits per element).
 MAX_ELEMENTS_PER_BYTE = 2048
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    """Token blocks of a chunk and the resulting substream sizes."""
-
-    layers: int
-    tokens: int
-    channels: int
-    anchors_per_block: list[int]
-    deltas_per_block: list[int]
-
-    @classmethod
-    def of(cls, layers: int, tokens: int, channels: int, config: CodecConfig) -> "_Geometry":
-        a, d = [], []
-        block = config.tokens_per_stream(channels)
-        for start in range(0, tokens, block):
-            n = min(tokens, start + block) - start
-            na = -(-n // config.group_size)
-            a.append(na)
-            d.append(n - na)
-        return cls(layers, tokens, channels, a, d)
-
-    @property
-    def streams_per_kl(self) -> int:
-        return 2 * len(self.anchors_per_block)
-
-    @property
-    def n_streams(self) -> int:
-        return 2 * self.layers * self.streams_per_kl
-
-    def stream_sizes(self) -> np.ndarray:
-        per_kl = np.array([n for pair in zip(self.anchors_per_block, self.deltas_per_block) for n in pair], dtype=np.int64)
-        return np.tile(per_kl * self.channels, 2 * self.layers)
+#: The per-(kind, layer, channel) quantisation parameters, each a section of raw bfloat16 bits.
+_PARAMS = ("anchor_min", "anchor_step", "delta_step")
 
 
 @dataclass(frozen=True)
@@ -73,11 +40,28 @@ class Prepared:
     level: int
     shape: list[int]
     dtype: str
-    geometry: _Geometry
+    geometry: ChunkGeometry
     symbols: np.ndarray
     layout: StreamLayout
     freqs: np.ndarray
     sections: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    """A blob's header once checked against a codec (``KVCodec.check_header``): what decoding needs."""
+
+    level: int
+    shape: tuple[int, int, int, int]  # (layers, kv_heads, tokens, head_dim)
+    dtype: torch.dtype  # of the KV that was encoded, and is decoded
+    tables: str  # "inline" (in the blob) or "profile"
+    coder: str  # the coder (byte format) of the substreams
+    profile_id: str | None
+    model_fingerprint: str
+
+    @property
+    def channels(self) -> int:
+        return self.shape[1] * self.shape[3]
 
 
 class KVCodec:
@@ -86,6 +70,11 @@ class KVCodec:
     ``fingerprint`` (the model fingerprint) is written into every blob and, when set,
     required of every blob decoded. ``coder`` defaults to the fastest available.
     ``limits`` and ``max_tokens`` bound what a blob may make the decoder allocate.
+    ``device`` (default the CPU) is where decoding runs and the decoded KV is returned:
+    on ``cuda`` the substreams are decoded by the GPU decoder of the blob's coder and
+    dequantised there by torch. A device whose decoder cannot run here raises
+    ``BackendUnavailable`` (at construction for ``coder``'s format, at decode for a
+    blob's); it is never silently replaced by another.
     """
 
     def __init__(
@@ -97,6 +86,7 @@ class KVCodec:
         fingerprint: str = "",
         limits: Limits = Limits(),
         max_tokens: int = 1 << 17,
+        device: str | torch.device | None = None,
     ) -> None:
         self.config = config or CodecConfig()
         if profile is not None and profile.codec_id != self.config.codec_id:
@@ -108,6 +98,12 @@ class KVCodec:
         self.fingerprint = fingerprint
         self.limits = limits
         self.max_tokens = max_tokens
+        self.device = torch.device("cpu" if device is None else device)
+        if self.device.type != "cpu":  # fail now, not at the first blob
+            try:
+                get_decoder(self.coder.name, self.device)
+            except KeyError:
+                raise BackendUnavailable(f"coder {self.coder.name!r} is not registered: no {self.device.type} decoder") from None
 
     @property
     def levels(self) -> list[int]:
@@ -122,6 +118,10 @@ class KVCodec:
     def profile_id(self) -> str | None:
         return self.profile.id if self.profile is not None else None
 
+    @property
+    def _tables(self) -> TableLayout | None:
+        return self.profile.layout if self.profile is not None else None
+
     # ---------------------------------------------------------------- encoding
     def encode(self, kv: KVCache, level: int | None = None) -> bytes:
         """Compress ``kv`` (one chunk, any token count >= 1) at ``level`` into a blob."""
@@ -135,13 +135,13 @@ class KVCodec:
             raise ValueError(f"level {level} not in {self.levels}")
         self._check_kv(kv)
         layers, heads, tokens, dim = kv.shape
-        qs = [self.config.quantize(kind_to_ltc(x), level, kind) for kind, x in enumerate((kv.keys, kv.values))]
-        geo = _Geometry.of(layers, tokens, heads * dim, self.config)
-        symbols = _flatten_symbols(qs, geo, self.config)
-        layout = StreamLayout(np.concatenate([[0], np.cumsum(geo.stream_sizes())]).astype(np.int64), self._table_ids(geo, level))
-        sections = {name: _bits(qs, name) for name in ("anchor_min", "anchor_step", "delta_step")}
+        qs = [self.config.quantize(merge_heads(x), level, kind) for kind, x in enumerate((kv.keys, kv.values))]
+        geo = ChunkGeometry.of(layers, tokens, heads * dim, self.config)
+        symbols = flatten_symbols(qs, geo)
+        layout = stream_layout(geo, level, self._tables)
+        sections = {name: _bits(qs, name) for name in _PARAMS}
         if self.profile is None:
-            freqs = _inline_tables(symbols, layout, geo)
+            freqs = inline_tables(symbols, layout, geo)
             sections["tables"] = freqs.astype(np.uint16)
         else:
             freqs = self.profile.freqs
@@ -152,7 +152,7 @@ class KVCodec:
         p = self.prepare(kv, level)
         payloads = self.coder.encode(p.symbols, p.layout, p.freqs)
         blob = self._pack(p, payloads)
-        return blob, _stats(blob, payloads, p.symbols, p.layout, p.freqs, p.geometry)
+        return blob, encode_stats(len(blob), payloads, p.symbols, p.layout, p.freqs, p.geometry)
 
     def _pack(self, p: "Prepared", payloads: list[bytes]) -> bytes:
         header = {
@@ -186,25 +186,25 @@ class KVCodec:
                     f"({m['num_layers']} layers, {m['channels']} channels)"
                 )
 
-    def _table_ids(self, geo: _Geometry, level: int) -> np.ndarray:
-        """Table of every (substream, channel): per channel from the profile, else one per (kind, layer, part)."""
-        nb = len(geo.anchors_per_block)
-        kinds, layers, blocks, parts = np.meshgrid(np.arange(2), np.arange(geo.layers), np.arange(nb), np.arange(2), indexing="ij")
-        kinds, layers, parts = kinds.ravel(), layers.ravel(), parts.ravel()
-        if self.profile is None:
-            ids = (kinds * geo.layers + layers) * 2 + parts
-            return np.repeat(ids[:, None], geo.channels, axis=1).astype(np.int32)
-        tl = self.profile.layout
-        anchor = (kinds * tl.num_layers + layers) * tl.channels
-        delta = 2 * tl.num_layers * tl.channels + ((level * 2 + kinds) * tl.num_layers + layers) * tl.channels
-        base = np.where(parts == 0, anchor, delta)
-        return (base[:, None] + np.arange(geo.channels)[None, :]).astype(np.int32)
-
     # ---------------------------------------------------------------- decoding
-    def decode(self, blob: bytes) -> KVCache:
-        """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``."""
+    def decode(self, blob: bytes, level: int | None = None, *, device: str | torch.device | None = None) -> KVCache:
+        """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``.
+
+        ``level``: when given, the level the blob must be at (a blob stored under another
+        level's key is then a format error). ``device``: where to decode, instead of the
+        codec's ``device`` (``BackendUnavailable`` when the blob's coder cannot decode there).
+        """
         c = unpack(blob, self.limits)
-        h = c.header
+        h = self.check_header(c.header, len(blob), level)
+        return self._reconstruct(h, c, self.device if device is None else torch.device(device))
+
+    def check_header(self, header: Mapping[str, Any], blob_bytes: int, level: int | None = None) -> BlobHeader:
+        """Check a blob's header (of a blob of ``blob_bytes`` bytes) against this codec.
+
+        Returns what decoding needs from it; ``CacheGenFormatError`` saying what is wrong
+        otherwise (including a level other than ``level``, when given).
+        """
+        h = header
         for key in ("codec", "codec_id", "tables", "dtype", "coder", "model_fingerprint"):
             if not isinstance(h.get(key), str):
                 raise CacheGenFormatError(f"header field {key!r} must be a string, got {h.get(key)!r}")
@@ -212,15 +212,17 @@ class KVCodec:
             raise CacheGenFormatError(f"blob was written by codec {h.get('codec_id')!r}, this codec is {self.codec_id}")
         if self.fingerprint and h.get("model_fingerprint") != self.fingerprint:
             raise CacheGenFormatError("blob belongs to another model (fingerprint mismatch)")
-        tables = h.get("tables")
+        tables = h["tables"]
         if tables == "profile":
             if self.profile is None or h.get("profile_id") != self.profile.id:
                 raise CacheGenFormatError(f"blob needs profile {h.get('profile_id')!r}, this codec has {self.profile_id!r}")
         elif tables != "inline" or h.get("profile_id") is not None:
             raise CacheGenFormatError(f"bad table source {tables!r}")
-        level = h.get("level")
-        if level not in self.levels or isinstance(level, bool):
-            raise CacheGenFormatError(f"bad level {level!r}")
+        blob_level = h.get("level")
+        if blob_level not in self.levels or isinstance(blob_level, bool):
+            raise CacheGenFormatError(f"bad level {blob_level!r}")
+        if level is not None and blob_level != level:
+            raise CacheGenFormatError(f"blob is at level {blob_level}, expected level {level}")
         shape = h.get("shape")
         if (
             not isinstance(shape, list)
@@ -231,68 +233,80 @@ class KVCodec:
             or not 1 <= shape[2] <= self.max_tokens
         ):
             raise CacheGenFormatError(f"bad shape {shape!r} (tokens limited to max_tokens={self.max_tokens})")
-        if h.get("dtype") not in DTYPES:
-            raise CacheGenFormatError(f"bad dtype {h.get('dtype')!r}")
+        if h["dtype"] not in DTYPES:
+            raise CacheGenFormatError(f"bad dtype {h['dtype']!r}")
         layers, heads, tokens, dim = shape
-        channels = heads * dim
-        elements = 2 * layers * tokens * channels
+        elements = 2 * layers * tokens * heads * dim
         # rANS can spend almost no bits on a near-certain symbol: bound what a blob may expand to.
-        if elements > self.limits.max_section_elements or elements > MAX_ELEMENTS_PER_BYTE * len(blob):
-            raise CacheGenFormatError(f"shape {shape} claims {elements} elements, too many for a blob of {len(blob)} bytes")
-        if self.profile is not None and tables == "profile":
-            m = self.profile.meta
-            if (layers, channels) != (m["num_layers"], m["channels"]):
+        if elements > self.limits.max_section_elements or elements > MAX_ELEMENTS_PER_BYTE * blob_bytes:
+            raise CacheGenFormatError(f"shape {shape} claims {elements} elements, too many for a blob of {blob_bytes} bytes")
+        if tables == "profile":
+            m = self.profile.meta  # type: ignore[union-attr]
+            if (layers, heads * dim) != (m["num_layers"], m["channels"]):
                 raise CacheGenFormatError("blob shape does not match the profile's model")
-        geo = _Geometry.of(layers, tokens, channels, self.config)
+        return BlobHeader(
+            level=blob_level,
+            shape=(layers, heads, tokens, dim),
+            dtype=DTYPES[h["dtype"]],
+            tables=tables,
+            coder=h["coder"],
+            profile_id=h.get("profile_id"),
+            model_fingerprint=h["model_fingerprint"],
+        )
+
+    def _reconstruct(self, h: BlobHeader, c: Container, device: torch.device) -> KVCache:
+        """The KV of a blob whose header passed ``check_header``: check its sections and substreams,
+        decode them on ``device`` and dequantise there."""
+        layers, heads, tokens, _ = h.shape
+        geo = ChunkGeometry.of(layers, tokens, h.channels, self.config)
         if len(c.streams) != geo.n_streams:
-            raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {shape} needs {geo.n_streams}")
-        expected = {"anchor_min": (2, layers, channels), "anchor_step": (2, layers, channels), "delta_step": (2, layers, channels)}
-        if tables == "inline":
-            expected["tables"] = (4 * layers, ALPHABET)
-        got = {k: v.shape for k, v in c.sections.items()}
-        if got != expected or any(c.sections[k].dtype != np.uint16 for k in expected):
-            raise CacheGenFormatError(f"sections {got} do not match the expected {expected}")
-        params = {k: from_bf16_bits(torch.from_numpy(c.sections[k].astype(np.int32))) for k in ("anchor_min", "anchor_step", "delta_step")}
-        if not all(torch.isfinite(v).all() for v in params.values()):
-            raise CacheGenFormatError("non-finite quantisation parameters")
-        if not ((params["anchor_step"] > 0).all() and (params["delta_step"] > 0).all()):
-            raise CacheGenFormatError("quantisation steps must be positive")
-        if tables == "inline":
-            freqs = c.sections["tables"].astype(np.uint32)
-        else:
-            freqs = self.profile.freqs  # type: ignore[union-attr]
+            raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {list(h.shape)} needs {geo.n_streams}")
+        params, freqs = self._side_info(h, c)
+        decoder = self._decoder(h.coder, device)
+        layout = stream_layout(geo, h.level, self._tables)
         try:
-            coder = get_coder(h.get("coder"))  # type: ignore[arg-type]
-        except (KeyError, TypeError):
-            raise CacheGenFormatError(f"blob was written by coder {h.get('coder')!r}, not available here") from None
-        layout = StreamLayout(np.concatenate([[0], np.cumsum(geo.stream_sizes())]).astype(np.int64), self._table_ids(geo, level))
-        try:
-            symbols = coder.decode(c.streams, layout, freqs)
+            symbols = decoder.decode_symbols(c.streams, layout, freqs)
         except CoderError:
             raise
         except Exception as e:  # a coder must never leak another exception type
-            raise CoderError(f"coder {coder.name} failed: {e}") from e
-        qs = _unflatten_symbols(symbols, geo, self.config)
-        dtype = DTYPES[h["dtype"]]
+            raise CoderError(f"coder {decoder.name} failed: {e}") from e
+        dev = symbols.device
         out = []
-        for kind in range(2):
-            anchors, deltas = qs[kind]
-            low_a = 0 if self.config.anchor_offset == 0 else DELTA_OFFSET - DELTA_RADIUS
-            if (deltas.numel() and int(deltas.min()) < DELTA_OFFSET - DELTA_RADIUS) or int(anchors.min()) < low_a:
+        low_anchor = 0 if self.config.anchor_offset == 0 else DELTA_OFFSET - DELTA_RADIUS
+        for kind, (anchors, deltas) in enumerate(unflatten_symbols(symbols, geo)):
+            if (deltas.numel() and int(deltas.min()) < DELTA_OFFSET - DELTA_RADIUS) or int(anchors.min()) < low_anchor:
                 raise CacheGenFormatError("symbol out of range")
-            q = Quantized(
-                anchors,
-                deltas,
-                params["anchor_min"][kind],
-                params["anchor_step"][kind],
-                params["delta_step"][kind],
-                self.config.anchor_offset,
-            )
-            x = ltc_to_kind(self.config.dequantize(q, tokens), heads).to(dtype).contiguous()
+            q = Quantized(anchors, deltas, *(params[name][kind].to(dev) for name in _PARAMS), self.config.anchor_offset)
+            x = split_heads(self.config.dequantize(q, tokens), heads).to(h.dtype).contiguous()
             if not torch.isfinite(x).all():  # checked in the blob's dtype: float16 overflows past 65504
                 raise CacheGenFormatError("decoded KV is not finite")
             out.append(x)
         return KVCache(out[0], out[1])
+
+    @staticmethod
+    def _decoder(coder: str, device: torch.device) -> SymbolDecoder:
+        """The decoder of ``coder``'s substreams on ``device``; a coder missing here is a format error."""
+        try:
+            return get_decoder(coder, device)
+        except KeyError:
+            raise CacheGenFormatError(f"blob was written by coder {coder!r}, not available here") from None
+
+    def _side_info(self, h: BlobHeader, c: Container) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+        """The checked quantisation parameters (float32 ``(2, layers, channels)`` each) and the frequency tables."""
+        layers, channels = h.shape[0], h.channels
+        expected = {name: (2, layers, channels) for name in _PARAMS}
+        if h.tables == "inline":
+            expected["tables"] = (n_inline_tables(layers), ALPHABET)
+        got = {k: v.shape for k, v in c.sections.items()}
+        if got != expected or any(c.sections[k].dtype != np.uint16 for k in expected):
+            raise CacheGenFormatError(f"sections {got} do not match the expected {expected}")
+        params = {k: from_bf16_bits(torch.from_numpy(c.sections[k].astype(np.int32))) for k in _PARAMS}
+        if not all(torch.isfinite(v).all() for v in params.values()):
+            raise CacheGenFormatError("non-finite quantisation parameters")
+        if not ((params["anchor_step"] > 0).all() and (params["delta_step"] > 0).all()):
+            raise CacheGenFormatError("quantisation steps must be positive")
+        freqs = c.sections["tables"].astype(np.uint32) if h.tables == "inline" else self.profile.freqs  # type: ignore[union-attr]
+        return params, freqs
 
 
 # -------------------------------------------------------------------- helpers
@@ -302,74 +316,3 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _bits(qs: list[Quantized], name: str) -> np.ndarray:
     return torch.stack([to_bf16_bits(getattr(q, name)) for q in qs]).numpy().astype(np.uint16)
-
-
-def _flatten_symbols(qs: list[Quantized], geo: _Geometry, config: CodecConfig) -> np.ndarray:
-    """Symbols of both kinds in substream order (kind, layer, block, anchors|deltas), token-major."""
-    anchors = torch.stack([q.anchors for q in qs])  # (2, L, nA, C)
-    deltas = torch.stack([q.deltas for q in qs])  # (2, L, nD, C)
-    parts = []
-    a0 = d0 = 0
-    for na, nd in zip(geo.anchors_per_block, geo.deltas_per_block):
-        parts.append(anchors[:, :, a0 : a0 + na].reshape(2, geo.layers, -1))
-        parts.append(deltas[:, :, d0 : d0 + nd].reshape(2, geo.layers, -1))
-        a0, d0 = a0 + na, d0 + nd
-    return torch.cat(parts, dim=2).reshape(-1).numpy()
-
-
-def _unflatten_symbols(symbols: np.ndarray, geo: _Geometry, config: CodecConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Inverse of ``_flatten_symbols``: per kind, anchors ``(L, nA, C)`` and deltas ``(L, nD, C)``."""
-    per_kl = torch.from_numpy(symbols).reshape(2, geo.layers, -1)
-    sizes = [n * geo.channels for pair in zip(geo.anchors_per_block, geo.deltas_per_block) for n in pair]
-    pieces = torch.split(per_kl, sizes, dim=2)
-    anchors = torch.cat([p.reshape(2, geo.layers, -1, geo.channels) for p in pieces[0::2]], dim=2)
-    deltas = torch.cat([p.reshape(2, geo.layers, -1, geo.channels) for p in pieces[1::2]], dim=2)
-    return [(anchors[k], deltas[k]) for k in range(2)]
-
-
-def _inline_tables(symbols: np.ndarray, layout: StreamLayout, geo: _Geometry) -> np.ndarray:
-    """One table per (kind, layer, part), measured on this chunk's own symbols."""
-    table_of_symbol = np.repeat(layout.table_ids[:, 0].astype(np.int64), layout.counts())
-    counts = np.bincount(table_of_symbol * ALPHABET + symbols, minlength=4 * geo.layers * ALPHABET)
-    return counts_to_freqs(counts.reshape(4 * geo.layers, ALPHABET), alpha=0.0)
-
-
-def _stats(blob: bytes, payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, geo: _Geometry) -> dict[str, Any]:
-    """Bits per element, split by kind, anchor/delta and layer group, coded and ideal."""
-    elements = 2 * geo.layers * geo.tokens * geo.channels
-    coded = np.array([8 * len(p) for p in payloads], dtype=np.float64)
-    n = layout.n_streams
-    spk = geo.streams_per_kl
-    kind = np.arange(n) // (geo.layers * spk)
-    layer = (np.arange(n) // spk) % geo.layers
-    part = np.arange(n) % 2
-    group = (layer * 3) // geo.layers
-    ideal = _ideal_bits_per_stream(symbols, layout, freqs)
-    out: dict[str, Any] = {
-        "elements": elements,
-        "blob_bytes": len(blob),
-        "bits_per_element": 8 * len(blob) / elements,
-        "payload_bits_per_element": coded.sum() / elements,
-        "ideal_bits_per_element": ideal.sum() / elements,
-        "side_info_bits_per_element": 8 * (len(blob) - coded.sum() / 8) / elements,
-    }
-    for name, mask in {
-        "keys": kind == 0,
-        "values": kind == 1,
-        "anchors": part == 0,
-        "deltas": part == 1,
-        "layers_early": group == 0,
-        "layers_middle": group == 1,
-        "layers_late": group == 2,
-    }.items():
-        out[f"{name}_bits_per_element"] = coded[mask].sum() / elements
-    return out
-
-
-def _ideal_bits_per_stream(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> np.ndarray:
-    logp = (16 - np.log2(freqs.astype(np.float64))).astype(np.float32)
-    counts = layout.counts()
-    stream_of = np.repeat(np.arange(layout.n_streams), counts)
-    pos = np.arange(layout.n_symbols) - np.repeat(layout.offsets[:-1], counts)
-    tables = layout.table_ids[stream_of, pos % layout.period]
-    return np.bincount(stream_of, weights=logp[tables, symbols], minlength=layout.n_streams)

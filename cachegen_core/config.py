@@ -99,15 +99,10 @@ class CodecConfig:
         return dequantize(q, self.group_size, num_tokens)
 
     def to_dict(self) -> dict[str, Any]:
+        """The configuration as JSON-ready data: hashed into ``codec_id``, written into headers for people and tools."""
         d = asdict(self)
         d["levels"] = [list(lv) for lv in self.levels]
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CodecConfig":
-        d = dict(d)
-        d["levels"] = tuple(tuple(lv) for lv in d["levels"])
-        return cls(**d)
 
     @property
     def codec_id(self) -> str:

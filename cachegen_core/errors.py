@@ -19,5 +19,12 @@ class StoreError(CacheGenError):
     """A KV store could not complete an operation (server down, disk full, read-only...)."""
 
 
+class BackendUnavailable(CacheGenError, RuntimeError):
+    """A coder or decoder backend asked for cannot run here (no GPU, no nvcc, library not built...).
+
+    Not a ``CacheGenFormatError``: the blob is fine, this process is not set up to decode it so.
+    """
+
+
 class BlobMissing(StoreError):
     """A blob the request looked for is not in the store (never written, evicted or expired): a miss, not a failure."""

@@ -87,44 +87,40 @@ def read_header(blob: bytes | memoryview, limits: Limits = Limits()) -> dict[str
     return header
 
 
-def _fail(msg: str) -> CacheGenFormatError:
-    return CacheGenFormatError(msg)
-
-
 def _read_header(mv: memoryview, limits: Limits) -> tuple[dict[str, Any], int]:
     n = len(mv)
     if n > limits.max_blob_bytes:
-        raise _fail(f"blob of {n} bytes exceeds max_blob_bytes={limits.max_blob_bytes}")
+        raise CacheGenFormatError(f"blob of {n} bytes exceeds max_blob_bytes={limits.max_blob_bytes}")
     if n < _PREAMBLE.size:
-        raise _fail(f"blob of {n} bytes is shorter than the {_PREAMBLE.size}-byte preamble (truncated?)")
+        raise CacheGenFormatError(f"blob of {n} bytes is shorter than the {_PREAMBLE.size}-byte preamble (truncated?)")
     magic, version, reserved, hlen, hcrc = _PREAMBLE.unpack_from(mv, 0)
     if magic != MAGIC:
-        raise _fail(f"bad magic {bytes(magic)!r}: not a CacheGen blob")
+        raise CacheGenFormatError(f"bad magic {bytes(magic)!r}: not a CacheGen blob")
     if version != VERSION:
-        raise _fail(f"unsupported format version {version} (this build reads version {VERSION})")
+        raise CacheGenFormatError(f"unsupported format version {version} (this build reads version {VERSION})")
     if reserved != 0:
-        raise _fail("reserved preamble field is not zero")
+        raise CacheGenFormatError("reserved preamble field is not zero")
     if hlen > limits.max_header_bytes:
-        raise _fail(f"header length {hlen} exceeds max_header_bytes={limits.max_header_bytes}")
+        raise CacheGenFormatError(f"header length {hlen} exceeds max_header_bytes={limits.max_header_bytes}")
     end = _PREAMBLE.size + hlen
     if end > n:
-        raise _fail(f"header claims {hlen} bytes but the blob ends after {n - _PREAMBLE.size} (truncated)")
+        raise CacheGenFormatError(f"header claims {hlen} bytes but the blob ends after {n - _PREAMBLE.size} (truncated)")
     raw = mv[_PREAMBLE.size : end]
     if _crc(raw) != hcrc:
-        raise _fail("header checksum mismatch (corrupted header)")
+        raise CacheGenFormatError("header checksum mismatch (corrupted header)")
     try:
         header = json.loads(bytes(raw).decode("utf-8"))
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, ints over 4300 digits
-        raise _fail(f"header is not valid JSON: {e}") from None
+        raise CacheGenFormatError(f"header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
-        raise _fail("header is not a JSON object")
+        raise CacheGenFormatError("header is not a JSON object")
     return header, end
 
 
 def _int_field(header: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
     v = header.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise _fail(f"header field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
+        raise CacheGenFormatError(f"header field {key!r} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
 
 
@@ -135,50 +131,50 @@ def unpack(blob: bytes | memoryview, limits: Limits = Limits()) -> Container:
     n = len(mv)
     secs = header.get("sections")
     if not isinstance(secs, list) or len(secs) > 64:
-        raise _fail("header field 'sections' must be a list of at most 64 entries")
+        raise CacheGenFormatError("header field 'sections' must be a list of at most 64 entries")
     sections: dict[str, np.ndarray] = {}
     for s in secs:
         if not isinstance(s, dict) or not isinstance(s.get("name"), str) or not isinstance(s.get("dtype"), str) or s["dtype"] not in SECTION_DTYPES:
-            raise _fail(f"bad section descriptor {s!r}")
+            raise CacheGenFormatError(f"bad section descriptor {s!r}")
         shape = s.get("shape")
         if (
             not isinstance(shape, list)
             or len(shape) > 8
             or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape)
         ):
-            raise _fail(f"section {s['name']!r}: bad shape {shape!r}")
+            raise CacheGenFormatError(f"section {s['name']!r}: bad shape {shape!r}")
         count = math.prod(shape)  # exact: numpy's int64 product would wrap or overflow on forged dims
         if count > limits.max_section_elements:
-            raise _fail(f"section {s['name']!r} claims {count} elements, over the limit")
+            raise CacheGenFormatError(f"section {s['name']!r} claims {count} elements, over the limit")
         dtype = np.dtype(SECTION_DTYPES[s["dtype"]]).newbyteorder("<")
         size = count * dtype.itemsize
         if pos + size > n:
-            raise _fail(f"section {s['name']!r} needs {size} bytes past offset {pos}, blob has {n} (truncated)")
+            raise CacheGenFormatError(f"section {s['name']!r} needs {size} bytes past offset {pos}, blob has {n} (truncated)")
         raw = mv[pos : pos + size]
         if _crc(raw) != _int_field(s, "crc32", 0, 0xFFFFFFFF):
-            raise _fail(f"section {s['name']!r} checksum mismatch (corrupted)")
+            raise CacheGenFormatError(f"section {s['name']!r} checksum mismatch (corrupted)")
         if s["name"] in sections:
-            raise _fail(f"duplicate section {s['name']!r}")
+            raise CacheGenFormatError(f"duplicate section {s['name']!r}")
         sections[s["name"]] = np.frombuffer(raw, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
         pos += size
     n_streams = _int_field(header, "n_streams", 0, limits.max_streams)
     table_size = n_streams * _STREAM_ENTRY.size
     if pos + table_size > n:
-        raise _fail(f"stream table of {n_streams} entries runs past the end of the blob (truncated)")
+        raise CacheGenFormatError(f"stream table of {n_streams} entries runs past the end of the blob (truncated)")
     table = mv[pos : pos + table_size]
     if _crc(table) != _int_field(header, "streams_crc32", 0, 0xFFFFFFFF):
-        raise _fail("stream table checksum mismatch (corrupted)")
+        raise CacheGenFormatError("stream table checksum mismatch (corrupted)")
     pos += table_size
     entries = [_STREAM_ENTRY.unpack_from(table, i * _STREAM_ENTRY.size) for i in range(n_streams)]
     total = sum(length for length, _ in entries)
     if pos + total != n:
         what = "truncated" if pos + total > n else "trailing bytes"
-        raise _fail(f"substreams need {total} bytes after offset {pos}, blob has {n - pos} ({what})")
+        raise CacheGenFormatError(f"substreams need {total} bytes after offset {pos}, blob has {n - pos} ({what})")
     streams = []
     for i, (length, crc) in enumerate(entries):
         chunk = mv[pos : pos + length]
         if _crc(chunk) != crc:
-            raise _fail(f"substream {i} checksum mismatch (corrupted)")
+            raise CacheGenFormatError(f"substream {i} checksum mismatch (corrupted)")
         streams.append(bytes(chunk))
         pos += length
     return Container(header, sections, streams)

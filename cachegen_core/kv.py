@@ -2,7 +2,8 @@
 
 Keys and values are each one tensor of shape ``(layers, kv_heads, tokens, head_dim)``
 for a single sequence. ``kv_heads`` is the model's number of key/value heads, so GQA
-and MQA models (fewer KV heads than query heads) need nothing special.
+and MQA models (fewer KV heads than query heads) need nothing special. The codec works
+on ``(layers, tokens, channels)`` views of each (``merge_heads`` / ``split_heads``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ from .errors import CacheGenError
 
 class KVShapeError(CacheGenError, ValueError):
     """A KV cache has the wrong shape for the operation (or the model)."""
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``(layers, kv_heads, tokens, head_dim)`` -> ``(layers, tokens, channels)``, channel = head * head_dim + dim."""
+    layers, heads, tokens, dim = x.shape
+    return x.permute(0, 2, 1, 3).reshape(layers, tokens, heads * dim)
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of ``merge_heads``: ``(layers, tokens, channels)`` -> ``(layers, heads, tokens, channels // heads)``."""
+    layers, tokens, channels = x.shape
+    return x.reshape(layers, tokens, heads, channels // heads).permute(0, 2, 1, 3)
 
 
 @dataclass(frozen=True)

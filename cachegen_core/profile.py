@@ -13,20 +13,21 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 import numpy as np
 import torch
 
-from .coders.base import TOTAL_FREQ
+from .coders.base import TOTAL_FREQ, validate_freqs
 from .config import CodecConfig
-from .errors import CacheGenFormatError
-from .kv import KVCache
+from .errors import CacheGenFormatError, CoderError
+from .kv import KVCache, merge_heads
 from .paths import cache_dir
 from .quantize import ALPHABET
 
 PROFILE_FORMAT = "cachegen-profile-v1"
 MAX_PROFILE_TABLES = 1 << 24
+IntOrArray = Union[int, np.ndarray]
 
 
 def counts_to_freqs(counts: np.ndarray, alpha: float = 0.05) -> np.ndarray:
@@ -67,12 +68,12 @@ class TableLayout:
     def n_tables(self) -> int:
         return 2 * self.num_layers * self.channels * (1 + self.n_levels)
 
-    def anchor_base(self, kind: int, layer: int) -> int:
-        """Id of the table of channel 0 for anchors of (kind, layer); channels follow."""
+    def anchor_base(self, kind: IntOrArray, layer: IntOrArray) -> IntOrArray:
+        """Id of the table of channel 0 for anchors of (kind, layer); channels follow. Broadcasts over arrays."""
         return (kind * self.num_layers + layer) * self.channels
 
-    def delta_base(self, level: int, kind: int, layer: int) -> int:
-        """Id of the table of channel 0 for deltas of (level, kind, layer); channels follow."""
+    def delta_base(self, level: int, kind: IntOrArray, layer: IntOrArray) -> IntOrArray:
+        """Id of the table of channel 0 for deltas of (level, kind, layer); channels follow. Broadcasts over arrays."""
         head = 2 * self.num_layers * self.channels
         return head + ((level * 2 + kind) * self.num_layers + layer) * self.channels
 
@@ -123,7 +124,7 @@ class Profile:
                 chunk = kv.slice(start, start + chunk_tokens)
                 n_chunks += 1
                 for kind, x in enumerate((chunk.keys, chunk.values)):
-                    x = kind_to_ltc(x)
+                    x = merge_heads(x)
                     for level in range(config.n_levels):
                         q = config.quantize(x, level, kind)
                         if level == 0:
@@ -190,21 +191,11 @@ class Profile:
         if freqs.dtype != np.uint16 or freqs.ndim != 2:
             raise CacheGenFormatError(f"profile {path}: tables must be 2-D uint16")
         f32 = freqs.astype(np.uint32)
-        if f32.min(initial=1) < 1 or np.any(f32.sum(axis=1, dtype=np.int64) != TOTAL_FREQ):
-            raise CacheGenFormatError(f"profile {path}: tables are not normalised to {TOTAL_FREQ}")
+        try:
+            validate_freqs(f32)
+        except CoderError:
+            raise CacheGenFormatError(f"profile {path}: tables are not normalised to {TOTAL_FREQ}") from None
         return cls(f32, meta)
-
-
-def kind_to_ltc(x: torch.Tensor) -> torch.Tensor:
-    """``(layers, kv_heads, tokens, head_dim)`` -> ``(layers, tokens, channels)`` with channel = (head, dim)."""
-    layers, heads, tokens, dim = x.shape
-    return x.permute(0, 2, 1, 3).reshape(layers, tokens, heads * dim)
-
-
-def ltc_to_kind(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of ``kind_to_ltc``."""
-    layers, tokens, channels = x.shape
-    return x.reshape(layers, tokens, heads, channels // heads).permute(0, 2, 1, 3)
 
 
 def _profile_id(freqs: np.ndarray, meta: dict[str, Any]) -> str:

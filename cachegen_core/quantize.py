@@ -69,9 +69,9 @@ def layer_groups(num_layers: int, n_groups: int = 3) -> torch.Tensor:
     return torch.div(torch.arange(num_layers) * n_groups, max(num_layers, 1), rounding_mode="floor")
 
 
-def anchor_mask(num_tokens: int, group_size: int) -> torch.Tensor:
+def anchor_mask(num_tokens: int, group_size: int, device: torch.device | None = None) -> torch.Tensor:
     """Boolean ``(tokens,)``: True at the first token of every group."""
-    return torch.arange(num_tokens) % group_size == 0
+    return torch.arange(num_tokens, device=device) % group_size == 0
 
 
 def _bf16_round(x: torch.Tensor, direction: float) -> torch.Tensor:
@@ -158,14 +158,16 @@ def _rms(d: torch.Tensor, scale: str) -> torch.Tensor:
     return d.square().mean(dim=(1, 2)).sqrt()[:, None].expand(layers, channels)
 
 
-def dequantize(q: Quantized, group_size: int, num_tokens: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rebuild ``(layers, tokens, channels)`` from ``q``; inverse of ``quantize`` up to half a step."""
+def dequantize(q: Quantized, group_size: int, num_tokens: int) -> torch.Tensor:
+    """Rebuild float32 ``(layers, tokens, channels)`` from ``q``, on the device of its symbols;
+    inverse of ``quantize`` up to half a step."""
     layers, _, channels = q.anchors.shape
-    is_anchor = anchor_mask(num_tokens, group_size)
+    dev = q.anchors.device
+    is_anchor = anchor_mask(num_tokens, group_size, dev)
     a_hat = q.anchor_min[:, None] + (q.anchors.float() - q.anchor_offset) * q.anchor_step[:, None]
-    out = torch.empty(layers, num_tokens, channels, dtype=torch.float32)
+    out = torch.empty(layers, num_tokens, channels, dtype=torch.float32, device=dev)
     out[:, is_anchor] = a_hat
-    group_of = torch.arange(num_tokens) // group_size
+    group_of = torch.arange(num_tokens, device=dev) // group_size
     d = (q.deltas.float() - DELTA_OFFSET) * q.delta_step[:, None]
     out[:, ~is_anchor] = a_hat[:, group_of[~is_anchor]] + d
-    return out.to(dtype)
+    return out

@@ -1,85 +1,73 @@
 """ChatCacheGen: a LangChain chat model whose growing conversation history is reused from the store.
 
-Messages are rendered with the tokenizer's chat template (or a plain ``role: text``
-template when it has none), so each turn's prompt extends the previous turn's tokens:
-every complete chunk of the history is found in the store and decoded instead of
-being prefilled again.
+It holds a :class:`CacheGenLLM` and generates through it, as ``ChatHuggingFace`` does
+with a ``HuggingFacePipeline``: messages are rendered to token ids with the
+tokenizer's chat template, so each turn's prompt extends the previous turn's tokens
+and every complete chunk of the history is found in the store instead of being
+prefilled again.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.language_models.base import LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, GenerationChunk
 
-from cachegen_core.engine import GenerationInfo, KVEngine
-from cachegen_core.stores.base import KVStore
+from cachegen_core.engine import KVEngine
 
-from .llms import DEFAULT_MODEL, StopStreamer, cut_at_stop
+from .chat_template import render_prompt
+from .llms import DEFAULT_MODEL, CacheGenLLM
 
-_ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
-
-
-def message_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as ``{"role", "content"}`` dicts for a chat template."""
-    out = []
-    for m in messages:
-        role = m.role if isinstance(m, ChatMessage) else next((r for t, r in _ROLES.items() if isinstance(m, t)), "user")
-        out.append({"role": role, "content": m.text if hasattr(m, "text") and isinstance(m.text, str) else str(m.content)})
-    return out
-
-
-def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage]) -> list[int]:
-    """Token ids of the conversation, ending with the assistant's turn, stable across turns."""
-    dicts = message_dicts(messages)
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "".join(f"{d['role']}: {d['content']}\n" for d in dicts) + "assistant:"
-    return list(tokenizer(text)["input_ids"])
+#: The keyword options of ``CacheGenLLM.from_model_id`` (engine and generation settings).
+_LOAD_OPTIONS = frozenset(
+    p.name for p in inspect.signature(CacheGenLLM.from_model_id).parameters.values() if p.kind is p.KEYWORD_ONLY
+)
 
 
 class ChatCacheGen(BaseChatModel):
-    """Chat model over a ``KVEngine``; build with ``ChatCacheGen.from_model_id(...)`` or pass an engine."""
+    """Chat model over a :class:`CacheGenLLM`.
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+    Build it with ``ChatCacheGen.from_model_id(...)`` (the LLM's loader, same options)
+    or ``ChatCacheGen(llm=CacheGenLLM(...))``. ``max_tokens``, ``temperature`` and
+    ``stop`` override the LLM's generation settings for each call; ``None`` leaves them.
+    """
 
-    engine: KVEngine = Field(exclude=True)
-    model_id: str = Field(default=DEFAULT_MODEL, alias="model")
-    max_tokens: int | None = 256
+    llm: CacheGenLLM
+    max_tokens: int | None = None
+    """New tokens per answer; ``None``: the LLM's ``generation_kwargs["max_new_tokens"]`` (256 by default)."""
     temperature: float | None = None
+    """Sampling temperature; ``None`` or ``0``: greedy decoding."""
     stop: list[str] | None = None
     streaming: bool = False
-    timeout: float | None = None
-    max_retries: int | None = None
-    generation_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
-    def from_model_id(
-        cls,
-        model_id: str | Path = DEFAULT_MODEL,
-        *,
-        store: KVStore | None = None,
-        level: int | None = None,
-        chunk_tokens: int = 1536,
-        profile: Any = "auto",
-        background: bool = True,
-        slo_s: float | None = None,
-        estimator: str = "harmonic",
-        **kwargs: Any,
-    ) -> "ChatCacheGen":
-        """Load a local transformers directory, a ``.gguf`` file or the bundled reference model by short name."""
-        engine = KVEngine.from_pretrained(
-            model_id, store=store, profile=profile, level=level, chunk_tokens=chunk_tokens, background=background,
-            slo_s=slo_s, estimator=estimator,
-        )  # fmt: skip
-        return cls(engine=engine, model_id=str(model_id), **kwargs)
+    def from_model_id(cls, model_id: str | Path = DEFAULT_MODEL, **kwargs: Any) -> ChatCacheGen:
+        """Load with ``CacheGenLLM.from_model_id`` and wrap it.
+
+        Its options (``store``, ``level``, ``chunk_tokens``, ``profile``, ``background``,
+        ``slo_s``, ``estimator``, ``generation_kwargs``, ``engine_kwargs``) go to the LLM;
+        every other keyword (``max_tokens``, ``temperature``, ``stop``, ``streaming``,
+        callbacks, ...) sets a field of the chat model.
+        """
+        load = {k: kwargs.pop(k) for k in _LOAD_OPTIONS & kwargs.keys()}
+        return cls(llm=CacheGenLLM.from_model_id(model_id, **load), **kwargs)
+
+    @property
+    def engine(self) -> KVEngine:
+        """The LLM's engine (``chat.engine.flush()``, ``chat.engine.tokenizer``)."""
+        return self.llm.engine
+
+    @property
+    def model_id(self) -> str:
+        """The LLM's model id, reported as ``model_name`` in response metadata."""
+        return self.llm.model_id
 
     @property
     def _llm_type(self) -> str:
@@ -87,34 +75,30 @@ class ChatCacheGen(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        e = self.engine
-        return {"model_id": self.model_id, "model_fingerprint": e.fingerprint, "codec_id": e.codec.codec_id, "level": e.level}
+        return {**self.llm._identifying_params, "max_tokens": self.max_tokens, "temperature": self.temperature}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "cachegen"
         params["ls_model_name"] = kwargs.get("model", self.model_id)
-        if self.max_tokens is not None:
-            params["ls_max_tokens"] = self.max_tokens
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.llm.generation_kwargs.get("max_new_tokens")
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
         if self.temperature is not None:
             params["ls_temperature"] = self.temperature
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop or [])
         return params
 
-    def _kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        stops = list(stop or self.stop or [])
-        out: dict[str, Any] = dict(self.generation_kwargs)
+    def _llm_call(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[list[str] | None, dict[str, Any]]:
+        """This call's stop sequences and generation overrides for the LLM."""
+        gen: dict[str, Any] = {}
         if self.max_tokens is not None:
-            out["max_new_tokens"] = self.max_tokens
+            gen["max_new_tokens"] = self.max_tokens
         if self.temperature:
-            out.update(do_sample=True, temperature=self.temperature)
-        kwargs = dict(kwargs)
-        kwargs.pop("model", None)
-        out.update(kwargs)
-        if stops:
-            out["stop"] = stops
-        return out, stops
+            gen.update(do_sample=True, temperature=self.temperature)
+        gen.update((k, v) for k, v in kwargs.items() if k != "model")  # `model` only names the model in traces
+        return list(stop or self.stop or []) or None, gen
 
     def _generate(
         self,
@@ -123,20 +107,11 @@ class ChatCacheGen(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        gen, stops = self._kwargs(stop, kwargs)
-        text, info = self.engine.generate(render_prompt(self.engine.tokenizer, messages), **gen)
-        text, _ = cut_at_stop(text, stops)
-        meta = info.as_dict()
-        msg = AIMessage(
-            content=text,
-            response_metadata={"model_name": self.model_id, **meta},
-            usage_metadata={
-                "input_tokens": info.prompt_tokens,
-                "output_tokens": info.new_tokens,
-                "total_tokens": info.prompt_tokens + info.new_tokens,
-            },
-        )
-        return ChatResult(generations=[ChatGeneration(message=msg, generation_info=meta)])
+        stop, gen = self._llm_call(stop, kwargs)
+        result = self.llm._generate([render_prompt(self.engine.tokenizer, messages)], stop=stop, **gen)
+        g = result.generations[0][0]
+        msg = AIMessage(content=g.text, **self._metadata(g.generation_info or {}))
+        return ChatResult(generations=[ChatGeneration(message=msg, generation_info=g.generation_info)])
 
     def _stream(
         self,
@@ -145,35 +120,32 @@ class ChatCacheGen(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        gen, stops = self._kwargs(stop, kwargs)
-        filt = StopStreamer(stops)
-        for item in self.engine.stream(render_prompt(self.engine.tokenizer, messages), **gen):
-            if isinstance(item, GenerationInfo):
-                tail = filt.finish()
-                if tail:
-                    yield self._chunk(tail, run_manager)
-                meta = item.as_dict()
-                yield ChatGenerationChunk(
-                    message=AIMessageChunk(
-                        content="",
-                        response_metadata={"model_name": self.model_id, **meta},
-                        usage_metadata={
-                            "input_tokens": item.prompt_tokens,
-                            "output_tokens": item.new_tokens,
-                            "total_tokens": item.prompt_tokens + item.new_tokens,
-                        },
-                        chunk_position="last",
-                    ),
-                    generation_info=meta,
-                )
-                return
-            text = filt.feed(item)
-            if text:
-                yield self._chunk(text, run_manager)
+        stop, gen = self._llm_call(stop, kwargs)
+        # no run_manager for the LLM: tokens are reported below, as chat chunks
+        for chunk in self.llm._stream(render_prompt(self.engine.tokenizer, messages), stop=stop, **gen):
+            out = self._chat_chunk(chunk)
+            if run_manager and chunk.text:
+                run_manager.on_llm_new_token(chunk.text, chunk=out)
+            yield out
 
-    @staticmethod
-    def _chunk(text: str, run_manager: CallbackManagerForLLMRun | None) -> ChatGenerationChunk:
-        chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
-        if run_manager:
-            run_manager.on_llm_new_token(text, chunk=chunk)
-        return chunk
+    def _chat_chunk(self, chunk: GenerationChunk) -> ChatGenerationChunk:
+        """A text chunk as a message chunk; the final (info) chunk also carries metadata and usage."""
+        if chunk.generation_info is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
+        message = AIMessageChunk(content=chunk.text, chunk_position="last", **self._metadata(chunk.generation_info))
+        return ChatGenerationChunk(message=message, generation_info=chunk.generation_info)
+
+    def _metadata(self, info: dict[str, Any]) -> dict[str, Any]:
+        """``response_metadata`` and ``usage_metadata`` of a message from the LLM's generation info."""
+        prompt_tokens, new_tokens = info.get("prompt_tokens", 0), info.get("new_tokens", 0)
+        return {
+            "response_metadata": {"model_name": self.model_id, **info},
+            "usage_metadata": {
+                "input_tokens": prompt_tokens,
+                "output_tokens": new_tokens,
+                "total_tokens": prompt_tokens + new_tokens,
+            },
+        }
+
+
+__all__ = ["ChatCacheGen"]

@@ -3,12 +3,14 @@
 A drop-in for ``HuggingFacePipeline``: every prompt is tokenised and cut into chunks;
 the leading chunks already in the store are fetched and decoded instead of being
 recomputed, and new chunks are stored in the background. Nothing changes in the chain.
+``ChatCacheGen`` wraps this class and generates through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.llms import BaseLLM
@@ -16,43 +18,14 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field
 
 from cachegen_core.engine import GenerationInfo, KVEngine
-from cachegen_core.stores.base import KVStore
+from cachegen_core.stores import KVStore
+
+from .stop import StopStreamer, cut_at_stop
 
 DEFAULT_MODEL = "smollm2-135m"
 
-
-def cut_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
-    """``text`` up to the first occurrence of any stop sequence, and whether one occurred."""
-    cut = min((i for s in stop or () if s and (i := text.find(s)) >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
-
-class StopStreamer:
-    """Incremental stop-sequence filter: never emits text that a stop sequence could still claim."""
-
-    def __init__(self, stop: Sequence[str] | None) -> None:
-        self.stop = [s for s in stop or () if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.buffer = ""
-        self.stopped = False
-
-    def feed(self, piece: str) -> str:
-        """Text safe to emit after ``piece`` arrived ('' once stopped)."""
-        if self.stopped:
-            return ""
-        self.buffer += piece
-        text, hit = cut_at_stop(self.buffer, self.stop)
-        if hit:
-            self.stopped = True
-            self.buffer = ""
-            return text
-        safe = len(self.buffer) - self.hold if self.stop else len(self.buffer)
-        out, self.buffer = self.buffer[: max(safe, 0)], self.buffer[max(safe, 0) :]
-        return out
-
-    def finish(self) -> str:
-        out, self.buffer = ("" if self.stopped else self.buffer), ""
-        return out
+#: A prompt as text, or as token ids (what ``ChatCacheGen`` renders a conversation to).
+Prompt = str | Sequence[int]
 
 
 class CacheGenLLM(BaseLLM):
@@ -68,6 +41,7 @@ class CacheGenLLM(BaseLLM):
     engine: KVEngine = Field(exclude=True)
     model_id: str = DEFAULT_MODEL
     generation_kwargs: dict[str, Any] = Field(default_factory=lambda: {"max_new_tokens": 256})
+    """Defaults for transformers' ``generate``; per-call keyword arguments override them."""
 
     @classmethod
     def from_model_id(
@@ -84,8 +58,12 @@ class CacheGenLLM(BaseLLM):
         generation_kwargs: dict[str, Any] | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
-    ) -> "CacheGenLLM":
-        """Load a local transformers directory, a ``.gguf`` file or the bundled reference model by short name."""
+    ) -> CacheGenLLM:
+        """Load a local transformers directory, a ``.gguf`` file or the bundled reference model by short name.
+
+        The keyword-only options configure the engine (``engine_kwargs`` holds the
+        rarer ones of ``KVEngine.from_pretrained``); ``kwargs`` set this class's fields.
+        """
         engine = KVEngine.from_pretrained(
             model_id,
             store=store,
@@ -117,39 +95,36 @@ class CacheGenLLM(BaseLLM):
             "generation_kwargs": self.generation_kwargs,
         }
 
-    def _kwargs(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _engine_kwargs(self, stop: Sequence[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """This call's arguments to the engine: the defaults, the call's overrides and ``stop``."""
         out = {**self.generation_kwargs, **kwargs}
         if stop:
             out["stop"] = list(stop)
         return out
 
-    def _prompt(self, prompt: str) -> Any:
-        """What the engine generates from (token ids in ``ChatCacheGen``)."""
-        return prompt
-
     def _generate(
         self,
-        prompts: list[str],
+        prompts: Sequence[Prompt],
         stop: list[str] | None = None,
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
         generations = []
-        results = self.engine.generate_many([self._prompt(p) for p in prompts], **self._kwargs(stop, kwargs))
-        for text, info in results:
+        for text, info in self.engine.generate_many(list(prompts), **self._engine_kwargs(stop, kwargs)):
             text, _ = cut_at_stop(text, stop)
             generations.append([Generation(text=text, generation_info=info.as_dict())])
         return LLMResult(generations=generations, llm_output={"model_id": self.model_id})
 
     def _stream(
         self,
-        prompt: str,
+        prompt: Prompt,
         stop: list[str] | None = None,
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
+        """Text chunks cut at ``stop``, then an empty chunk carrying the generation info."""
         filt = StopStreamer(stop)
-        for item in self.engine.stream(self._prompt(prompt), **self._kwargs(stop, kwargs)):
+        for item in self.engine.stream(prompt, **self._engine_kwargs(stop, kwargs)):
             if isinstance(item, GenerationInfo):
                 tail = filt.finish()
                 if tail:
@@ -166,3 +141,6 @@ class CacheGenLLM(BaseLLM):
         if run_manager:
             run_manager.on_llm_new_token(text, chunk=chunk)
         return chunk
+
+
+__all__ = ["DEFAULT_MODEL", "CacheGenLLM", "Prompt"]

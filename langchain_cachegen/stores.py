@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from langchain_core.stores import BaseStore, ByteStore
 
 from cachegen_core.errors import StoreError
-from cachegen_core.stores.base import BaseKVStore, Items, KVStore, iter_items
+from cachegen_core.stores import BaseKVStore, KVStore
 
 #: ``/`` rather than ``:`` so that keys stay valid for ``LocalFileStore``.
 BYTESTORE_NAMESPACE = "cachegen/"
@@ -76,8 +76,8 @@ class ByteStoreKVStore(BaseKVStore):
     def put(self, key: str, value: bytes) -> None:
         self.put_many([(key, value)])
 
-    def put_many(self, items: Items) -> None:
-        pairs = [(self._full(k), self._value(v)) for k, v in iter_items(items)]
+    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes]) -> None:
+        pairs = [(self._full(k), self._value(v)) for k, v in (items.items() if isinstance(items, Mapping) else items)]
         if pairs:
             with self._errors("mset"):
                 self.byte_store.mset(pairs)

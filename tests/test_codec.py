@@ -4,20 +4,22 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cachegen_core.codec import KVCodec
+from cachegen_core.coders import BackendUnavailable
+from cachegen_core.coders.native import NativeCoder
 from cachegen_core.coders.reference import ReferenceCoder
 from cachegen_core.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError
-from cachegen_core.format import Limits, read_header
-from cachegen_core.kv import KVCache, KVShapeError
-from cachegen_core.profile import Profile, kind_to_ltc, ltc_to_kind
+from cachegen_core.format import Limits, pack, read_header, unpack
+from cachegen_core.kv import KVCache, KVShapeError, merge_heads, split_heads
+from cachegen_core.profile import Profile
 
 
 def _expected(kv: KVCache, codec: KVCodec, level: int) -> KVCache:
     """What decoding must give exactly: the quantiser's own reconstruction."""
     out = []
     for kind, x in enumerate((kv.keys, kv.values)):
-        q = codec.config.quantize(kind_to_ltc(x), level, kind)
-        out.append(ltc_to_kind(codec.config.dequantize(q, kv.num_tokens), kv.num_kv_heads).to(kv.dtype))
+        q = codec.config.quantize(merge_heads(x), level, kind)
+        out.append(split_heads(codec.config.dequantize(q, kv.num_tokens), kv.num_kv_heads).to(kv.dtype))
     return KVCache(*out)
 
 
@@ -108,6 +110,13 @@ def test_odd_shapes_round_trip(config, layers, kv_heads, tokens, head_dim, dtype
     assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
 
 
+def _repack_header(blob: bytes, **fields) -> bytes:
+    """``blob`` with header fields replaced (and checksums redone)."""
+    c = unpack(blob)
+    header = {k: v for k, v in c.header.items() if k not in ("sections", "n_streams", "streams_crc32")}
+    return pack({**header, **fields}, c.sections, c.streams)
+
+
 def _small_blob():
     torch.manual_seed(11)
     kv = KVCache(torch.randn(1, 1, 12, 2), torch.randn(1, 1, 12, 2))
@@ -186,3 +195,71 @@ def test_forged_header_cannot_make_the_decoder_allocate_without_bound():
 
     with pytest.raises(CacheGenFormatError, match="string"):
         KVCodec(fingerprint="m1").decode(_repack(blob, list_dtype))
+
+
+def test_decode_checks_the_expected_level(tiny_kv):
+    codec = KVCodec()
+    blob = codec.encode(tiny_kv.slice(0, 30), 2)
+    assert torch.equal(codec.decode(blob, level=2).keys, codec.decode(blob).keys)
+    for other in (0, 1, 3):  # a blob planted under another level's key
+        with pytest.raises(CacheGenFormatError, match="level 2, expected level"):
+            codec.decode(blob, level=other)
+
+
+def test_check_header_returns_what_decoding_needs(tiny_kv):
+    codec = KVCodec(fingerprint="m1")
+    kv = tiny_kv.slice(0, 30).to(torch.float16)
+    blob = codec.encode(kv, 3)
+    h = codec.check_header(read_header(blob), len(blob))
+    assert (h.level, h.shape, h.dtype, h.tables, h.coder) == (3, kv.shape, torch.float16, "inline", codec.coder.name)
+    assert (h.profile_id, h.model_fingerprint, h.channels) == (None, "m1", kv.num_kv_heads * kv.head_dim)
+    with pytest.raises(CacheGenFormatError, match="another model"):
+        KVCodec(fingerprint="m2").check_header(read_header(blob), len(blob))
+    with pytest.raises(CacheGenFormatError, match="too many"):  # a header cannot claim more than its blob can hold
+        codec.check_header(read_header(blob), 1)
+
+
+class _FakeGpuDecoder:
+    """Stands in for a GPU decoder of the native format: the CPU coder's symbols, with a record of the call."""
+
+    calls: list[torch.device] = []
+
+    def __init__(self, device: torch.device) -> None:
+        from cachegen_core.coders import get_coder
+
+        self.device = device
+        self.name = NativeCoder.name
+        self._coder = get_coder(NativeCoder.name)
+
+    def decode_symbols(self, payloads, layout, freqs):
+        self.calls.append(self.device)
+        return torch.from_numpy(self._coder.decode(payloads, layout, freqs))
+
+
+def test_decode_uses_the_decoder_of_the_device(tiny_kv, monkeypatch):
+    from cachegen_core.coders import registry
+
+    kv = tiny_kv.slice(0, 40)
+    blob = KVCodec(coder=NativeCoder()).encode(kv, 1)
+    want = KVCodec().decode(blob)
+    monkeypatch.setitem(registry.DEVICE_DECODERS, (NativeCoder.name, "cuda"), _FakeGpuDecoder)
+    _FakeGpuDecoder.calls.clear()
+    for got in (KVCodec(device="cuda:1").decode(blob), KVCodec().decode(blob, device="cuda:1")):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    assert _FakeGpuDecoder.calls == [torch.device("cuda:1")] * 2
+    with pytest.raises(BackendUnavailable, match="no cuda decoder"):  # torchac decodes on the CPU only
+        KVCodec().decode(KVCodec(coder=ReferenceCoder()).encode(kv, 1), device="cuda:1")
+
+
+def test_an_unavailable_device_is_a_typed_error_not_a_format_error(tiny_kv, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    blob = KVCodec(coder=NativeCoder()).encode(tiny_kv.slice(0, 40), 1)
+    for call in (lambda: KVCodec(coder=NativeCoder(), device="cuda"), lambda: KVCodec().decode(blob, device="cuda")):
+        with pytest.raises(BackendUnavailable, match="CUDA") as e:
+            call()
+        assert not isinstance(e.value, CacheGenFormatError)
+    with pytest.raises(BackendUnavailable, match="no cuda decoder"):
+        KVCodec(coder=ReferenceCoder(), device="cuda")
+    forged = _repack_header(blob, coder="native-rans99")  # a coder missing here stays a format error on any device
+    with pytest.raises(CacheGenFormatError, match="not available here"):
+        KVCodec().decode(forged, device="cuda")

@@ -130,3 +130,21 @@ def test_stream_matches_generate(engine):
 def test_empty_prompt_is_a_clear_error(engine):
     with pytest.raises(ValueError, match="empty"):
         engine.generate("")
+
+
+def test_stop_strings_use_transformers_criterion_where_it_maps_the_tokenizer(tiny_tokenizer):
+    from transformers import StopStringCriteria
+
+    from cachegen_core.engine.hf import _StopOnDecodedText, stop_criterion
+
+    # a word-level vocabulary is beyond StopStringCriteria's subword cleaning: the decoded-text check takes over
+    assert isinstance(stop_criterion(tiny_tokenizer, ["w9"], 3), _StopOnDecodedText)
+    importlib = pytest.importorskip("importlib.util")
+    from cachegen_core import models
+
+    if importlib.find_spec(models.REFERENCE_PACKAGE) is None or not models.model_dir_for(models.REFERENCE_MODEL)[1]:
+        pytest.skip("the reference model is not prepared (make test prepares it)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models.resolve_model(models.REFERENCE_MODEL), local_files_only=True)
+    assert isinstance(stop_criterion(tok, ["\n\n", "Human:"], 3), StopStringCriteria)

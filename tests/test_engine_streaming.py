@@ -78,10 +78,10 @@ def test_batch_shares_fetched_chunks(tiny_llama, tiny_tokenizer):
 
 def test_prefill_speed_prior_is_replaced_by_the_first_measurement(tiny_llama, tiny_tokenizer):
     e = engine(tiny_llama, tiny_tokenizer, MemoryStore())
-    prior = e.cost_model["prefill_s_per_token"]
-    assert not e.cost_model["prefill_measured"]
+    prior = e.cost_model.prefill_s_per_token
+    assert not e.cost_model.prefill_measured
     e.generate(words(4, 3 * CHUNK), max_new_tokens=1)  # a miss: the whole prompt is prefilled and timed
-    first = e.cost_model["prefill_s_per_token"]
-    assert e.cost_model["prefill_measured"] and first < 0.7 * prior  # the tiny model takes well under 1.4 ms a token: a blend with the prior could not
-    e._observe_prefill(first + 1.0)  # later measurements move it smoothly
-    assert e._prefill_s_per_token == first + 0.3
+    first = e.cost_model.prefill_s_per_token
+    assert e.cost_model.prefill_measured and first < 0.7 * prior  # the tiny model takes well under 1.4 ms a token: a blend with the prior could not
+    e.cost_model.observe_prefill(first + 1.0)  # later measurements move it smoothly
+    assert e.cost_model.prefill_s_per_token == first + 0.3

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from cachegen_core.kv import KVCache, KVShapeError
+from cachegen_core.kv import KVCache, KVShapeError, merge_heads, split_heads
 
 
 def test_dynamic_cache_round_trip(tiny_llama, tiny_kv):
@@ -40,3 +40,11 @@ def test_shape_errors(tiny_llama, tiny_kv):
         KVCache.concat([])
     with pytest.raises(KVShapeError, match="concatenate"):
         KVCache.concat([tiny_kv, tiny_kv.to(torch.float16)])
+
+
+def test_merge_and_split_heads():
+    x = torch.arange(2 * 3 * 5 * 4).reshape(2, 3, 5, 4)  # (layers, kv_heads, tokens, head_dim)
+    m = merge_heads(x)
+    assert m.shape == (2, 5, 12)
+    assert m[1, 4, 2 * 4 + 3] == x[1, 2, 4, 3]  # channel = head * head_dim + dim
+    assert torch.equal(split_heads(m, 3), x)

@@ -1,13 +1,11 @@
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.prompts import PromptTemplate
-from langchain_tests.unit_tests import ChatModelUnitTests
 
 from cachegen_core.engine import KVEngine
 from cachegen_core.stores.memory import MemoryStore
-from langchain_cachegen.chat_models import ChatCacheGen, render_prompt
-from langchain_cachegen.llms import CacheGenLLM, StopStreamer, cut_at_stop
-from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer, words
+from cachegen_core.testing import words
+from langchain_cachegen.chat_models import ChatCacheGen
+from langchain_cachegen.llms import CacheGenLLM
 
 CHUNK = 32
 
@@ -72,64 +70,10 @@ def test_stop_sequences_are_honoured(llm):
     assert "".join(llm.stream(prompt, stop=[stop_word])) == cut
 
 
-def test_stop_helpers():
-    assert cut_at_stop("abc STOP def", ["STOP"]) == ("abc ", True)
-    s = StopStreamer(["END"])
-    out = "".join(s.feed(p) for p in ["hello E", "N", "D more"]) + s.finish()
-    assert out == "hello "
-    s = StopStreamer(["END"])
-    assert "".join(s.feed(p) for p in ["a E", "x"]) + s.finish() == "a Ex"
-
-
 def test_identifying_params(llm):
     p = llm._identifying_params
     assert p["model_id"] == "tiny" and p["codec_id"].startswith("cachegen-v1-") and p["chunk_tokens"] == CHUNK
     assert llm._llm_type == "cachegen"
-
-
-def test_chat_history_is_reused_turn_after_turn(tiny_llama, tiny_tokenizer):
-    engine = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, background=False)
-    chat = ChatCacheGen(engine=engine, model="tiny", max_tokens=6)
-    history = [SystemMessage(words(20, 30))]
-    cached = []
-    for turn in range(5):
-        history.append(HumanMessage(words(30 + turn, 25)))
-        reply = chat.invoke(history)
-        cached.append(reply.response_metadata["cached_tokens"])
-        history.append(AIMessage(reply.content))
-        n_prompt = len(render_prompt(tiny_tokenizer, history[:-1]))
-        assert reply.usage_metadata["input_tokens"] == n_prompt
-    assert cached[0] == 0
-    # from turn 2 on, every complete chunk of the previous turn's prompt is reused
-    assert all(c >= CHUNK for c in cached[1:]) and cached == sorted(cached)
-
-
-def test_chat_without_template_uses_plain_rendering(tiny_llama):
-    tok = make_tiny_tokenizer()
-    tok.chat_template = None
-    ids = render_prompt(tok, [HumanMessage("w10 w11")])
-    assert tok.decode(ids).startswith("<pad>")  # 'user:' is unknown to the word vocabulary, but rendering works
-
-
-class TestChatCacheGenStandard(ChatModelUnitTests):
-    @property
-    def chat_model_class(self):
-        return ChatCacheGen
-
-    @property
-    def chat_model_params(self):
-        engine = _shared_engine()
-        return {"engine": engine, "model": "tiny"}
-
-
-_ENGINE = None
-
-
-def _shared_engine():
-    global _ENGINE
-    if _ENGINE is None:
-        _ENGINE = KVEngine(make_tiny_llama(), make_tiny_tokenizer(), store=MemoryStore(), chunk_tokens=CHUNK, background=False)
-    return _ENGINE
 
 
 def test_from_model_id_loads_a_local_dir_with_streaming_options(tiny_llama, tiny_tokenizer, tmp_path):

@@ -20,7 +20,6 @@ from cachegen_core.streaming import (
     choose,
     make_estimator,
     predict_finish,
-    stream,
     stream_batch,
     stream_chunks,
     unique_in_order,
@@ -404,16 +403,19 @@ def test_empty_stream():
     assert res.parts == [] and res.trace == ()
 
 
-def test_positional_stream_hands_the_parts_so_far():
-    seen = []
-
-    def decode(blob, i, parts):
-        seen.append(list(parts))
-        return i * 10
-
-    res = stream(["k0", "k1", "k2"], costs(3), fetch=lambda k, lv: k.encode(), decode=decode, prefill=lambda i, p: -1,
-                 levels=LEVELS, estimator=HarmonicMeanEstimator())  # fmt: skip
-    assert res.parts == [0, 10, 20] and seen == [[], [0], [0, 10]]
+def test_a_level_a_chunk_lacks_is_never_chosen():
+    """Chunks list only what is stored for them (the manifest): a missing level is infeasible, not a KeyError."""
+    full = costs(1)[0]
+    only_coarse = ChunkCost({3: 1 * MB}, {3: 0.01}, 1536)
+    d = choose([only_coarse, full], levels=LEVELS, elapsed_s=0.0, slo_s=None, bandwidth=100 * MB, prefill_s_per_token=1e-3)
+    assert d.option == 3
+    d = choose([full, only_coarse], levels=LEVELS, elapsed_s=0.0, slo_s=10.0, bandwidth=100 * MB, prefill_s_per_token=1e-3)
+    assert d.option == 3  # every other level would have to be sent for the second chunk too
+    assert predict_finish([full, only_coarse], 0, elapsed_s=0.0, bandwidth=MB, prefill_s_per_token=1e-3) == float("inf")
+    nothing = ChunkCost({}, {}, 1536)
+    assert choose([nothing], levels=LEVELS, elapsed_s=0.0, slo_s=1.0, bandwidth=MB, prefill_s_per_token=1e-3).option == TEXT
+    with pytest.raises(ValueError, match="text is not allowed"):
+        choose([nothing], levels=LEVELS, elapsed_s=0.0, slo_s=1.0, bandwidth=MB, prefill_s_per_token=1e-3, allow_text=False)
 
 
 # ------------------------------------------------------------------ batches

@@ -1,4 +1,7 @@
-"""The entropy-coder interface shared by the reference (torchac) and native coders.
+"""The entropy-coder interfaces and the rules every coder shares.
+
+``Coder``: one byte format's encoder and CPU decoder (reference/torchac, native).
+``SymbolDecoder``: a decoder of one byte format on one device (``registry.get_decoder``).
 
 A coder turns many independent *substreams* of 8-bit symbols into one byte string
 each, and back. Probability models are plain data, kept apart from the coder (as in
@@ -17,11 +20,14 @@ own with no coordination; the container stores their byte lengths and checksums.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from ..errors import CoderError
+from ..errors import BackendUnavailable, CoderError  # noqa: F401  (BackendUnavailable re-exported)
+
+if TYPE_CHECKING:
+    import torch
 
 PRECISION = 16
 TOTAL_FREQ = 1 << PRECISION
@@ -88,17 +94,18 @@ def validate_freqs(freqs: np.ndarray) -> None:
         raise CoderError(f"every table must sum to {TOTAL_FREQ}")
 
 
-def cross_entropy_bits(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> float:
-    """Ideal code length in bits of ``symbols`` under the tables the layout assigns them."""
-    logp = PRECISION - np.log2(freqs.astype(np.float64))
-    total = 0.0
-    for s in range(layout.n_streams):
-        a, b = int(layout.offsets[s]), int(layout.offsets[s + 1])
-        if a == b:
-            continue
-        tables = np.resize(layout.table_ids[s], b - a)
-        total += float(logp[tables, symbols[a:b]].sum())
-    return total
+def ideal_bits_per_stream(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> np.ndarray:
+    """Ideal code length in bits of each substream under the tables the layout assigns its symbols.
+
+    float64 ``(n_streams,)``; the sum is the cross-entropy of all ``symbols``, what an ideal
+    coder would spend (the bar the coders are measured against).
+    """
+    stream_of = np.repeat(np.arange(layout.n_streams, dtype=np.int64), layout.counts())
+    column = np.arange(layout.n_symbols, dtype=np.int64) - layout.offsets[stream_of]
+    np.remainder(column, layout.period, out=column)
+    f = freqs[layout.table_ids[stream_of, column], symbols]
+    del column
+    return np.bincount(stream_of, weights=PRECISION - np.log2(f, dtype=np.float64), minlength=layout.n_streams)
 
 
 @runtime_checkable
@@ -119,4 +126,22 @@ class Coder(Protocol):
         symbols in range (an arithmetic decoder cannot always tell); the container's
         checksums are what reject corrupted bytes. Never crashes, never reads out of bounds.
         """
+        ...
+
+
+@runtime_checkable
+class SymbolDecoder(Protocol):
+    """Decodes the substreams of one coder's byte format into symbols on one device.
+
+    Obtained from ``coders.get_decoder(coder_name, device)``: the CPU decoder of every
+    coder wraps its ``decode``; other devices (``cuda``) have their own implementations.
+    """
+
+    #: The coder (byte format) whose payloads it reads, as recorded in blobs.
+    name: str
+    #: Where the decoded symbols are.
+    device: "torch.device"
+
+    def decode_symbols(self, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray) -> "torch.Tensor":
+        """The flat uint8 symbols as a tensor on ``device``; same contract as ``Coder.decode``."""
         ...

@@ -1,8 +1,10 @@
-"""GPU side of the native coder: the CUDA decoder of ``csrc/rans_cuda.cu``, built with nvcc at first use.
+"""The CUDA decoder of the native byte format (``csrc/rans_cuda.cu``), built with nvcc at first use.
 
-Only imported by ``NativeCoder.decode_cuda``; the CPU path never needs CUDA. The kernel
-is compiled once into the user cache (``nvcc -O3 -shared``; ``CACHEGEN_NVCC_FLAGS`` adds
-flags) and bound with ctypes; it takes device pointers from torch tensors.
+A ``SymbolDecoder`` for ``cuda`` devices, chosen through ``coders.get_decoder``; the CPU
+path never needs it. The kernel is compiled once into the user cache (``nvcc -O3
+-shared``; ``CACHEGEN_NVCC_FLAGS`` adds flags) and bound with ctypes; it takes device
+pointers from torch tensors. Tables are converted by the CPU library (``native_lib``)
+and copied to each device once per table set.
 """
 
 from __future__ import annotations
@@ -19,17 +21,15 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..errors import CoderError
-from .base import StreamLayout
-from .native import CoderTables, _compile_into_cache, _describe, build_tables
+from .base import BackendUnavailable, StreamLayout
+from .native_lib import CODER_NAME, CoderTables, build_tables, cached_tables, compile_into_cache, describe, join_payloads, load_error
 
 if TYPE_CHECKING:
     import torch
 
-    from .native import NativeCoder
-
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-# Device copies of coder tables, by (id of the host CoderTables, device): profiles are reused.
+# Device copies of coder tables, by (id of the host CoderTables, device, lookup bits): profiles are reused.
 _device_tables: dict[tuple[int, str, int], tuple[weakref.ref, Any]] = {}
 
 
@@ -39,17 +39,36 @@ def nvcc_command() -> list[str]:
     return ["nvcc", "-O3", "-arch=native", "-shared", "-Xcompiler", "-fPIC", *extra]
 
 
-def library() -> ctypes.CDLL:
-    """The compiled CUDA decoder; ``CoderError`` when nvcc is missing or the build fails."""
+def unavailable_reason(device: Any = "cuda") -> str | None:
+    """Why this process cannot decode on ``device`` (no CUDA, no nvcc, no CPU library), or None.
+
+    Cheap: builds nothing (``cuda_library`` does, at most once).
+    """
+    import torch  # noqa: PLC0415
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"the CUDA decoder needs a CUDA device, got {dev}"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"no CUDA device {dev.index} (torch sees {torch.cuda.device_count()})"
+    if shutil.which("nvcc") is None:
+        return "the CUDA decoder needs nvcc on PATH"
+    return load_error()  # tables are converted by the CPU library
+
+
+def cuda_library() -> ctypes.CDLL:
+    """The compiled CUDA decoder; ``BackendUnavailable`` when nvcc is missing or the build fails."""
     global _lib
     with _lock:
         if _lib is None:
             if shutil.which("nvcc") is None:
-                raise CoderError("the CUDA decoder needs nvcc on PATH")
+                raise BackendUnavailable("the CUDA decoder needs nvcc on PATH")
             try:
-                lib = ctypes.CDLL(str(_compile_into_cache("rans_cuda.cu", nvcc_command())))
+                lib = ctypes.CDLL(str(compile_into_cache("rans_cuda.cu", nvcc_command())))
             except (OSError, RuntimeError) as e:
-                raise CoderError(f"cannot build the CUDA decoder: {e}") from e
+                raise BackendUnavailable(f"cannot build the CUDA decoder: {e}") from e
             p, i32 = ctypes.c_void_p, ctypes.c_int32
             lib.cg_cuda_decode.argtypes = [p, p, i32, p, p, i32, p, p, i32, i32, p, p, p, p, i32]
             lib.cg_cuda_decode.restype = ctypes.c_int
@@ -83,54 +102,65 @@ def _tables_on(host: CoderTables, freqs: np.ndarray, dev: "torch.device") -> tup
     return entry
 
 
-def decode(coder: "NativeCoder", payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray, device: Any = "cuda") -> "torch.Tensor":
-    """Decode on ``device``: the flat uint8 symbols as a CUDA tensor (see ``NativeCoder.decode_cuda``)."""
+class CudaDecoder:
+    """Decodes ``native-rans16-v1`` substreams on one CUDA device, one warp per substream.
+
+    Construction fails with ``BackendUnavailable`` when the device, nvcc or the libraries
+    are missing (building the kernel at first use). The time of the last kernel alone is
+    kept in ``last_kernel_s``.
+    """
+
+    name = CODER_NAME
+
+    def __init__(self, device: Any = "cuda") -> None:
+        import torch  # noqa: PLC0415
+
+        reason = unavailable_reason(device)
+        if reason is not None:
+            raise BackendUnavailable(f"cannot decode {CODER_NAME} on {device}: {reason}")
+        self._lib = cuda_library()
+        self.device = torch.device(device)
+        self.last_kernel_s: float | None = None
+
+    def decode_symbols(self, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray) -> "torch.Tensor":
+        """The flat uint8 symbols as a tensor on this decoder's device, equal to the CPU decoder's."""
+        import torch  # noqa: PLC0415
+
+        host_tables = cached_tables(freqs)
+        layout.validate(host_tables.n_tables)
+        joined, in_off = join_payloads(payloads, layout.n_streams)
+        dev = self.device
+        tables, info, lut = _tables_on(host_tables, freqs, dev)
+        order = np.argsort(-layout.counts(), kind="stable").astype(np.int32)  # longest first: halves of a warp pair up
+        buf = torch.from_numpy(joined.copy()).pin_memory().to(dev, non_blocking=True)
+        small = [torch.from_numpy(a).to(dev) for a in (in_off, np.ascontiguousarray(layout.offsets), np.ascontiguousarray(layout.table_ids), order)]
+        out = torch.empty(max(1, layout.n_symbols), dtype=torch.uint8, device=dev)
+        status = torch.zeros(max(1, layout.n_streams), dtype=torch.int32, device=dev)
+        stream = torch.cuda.current_stream(dev)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        err = self._lib.cg_cuda_decode(
+            buf.data_ptr(), small[0].data_ptr(), layout.n_streams, small[1].data_ptr(), small[2].data_ptr(), layout.period,
+            info.data_ptr(), lut.data_ptr(), tables.lut_bits, tables.alphabet, small[3].data_ptr(), out.data_ptr(),
+            status.data_ptr(), ctypes.c_void_p(stream.cuda_stream), int(os.environ.get("CACHEGEN_CUDA_BLOCK", "64")),
+        )  # fmt: skip
+        stop.record(stream)
+        if err:
+            raise CoderError(f"CUDA decoder launch failed with cudaError {err}")
+        codes = status[: layout.n_streams].cpu().numpy()  # synchronises
+        self.last_kernel_s = start.elapsed_time(stop) / 1000
+        bad = np.flatnonzero(codes)
+        if bad.size:
+            raise CoderError(f"CUDA decode failed: substream {int(bad[0])}: {describe(codes[bad[0]])}")
+        return out[: layout.n_symbols]
+
+
+def timed_decode(decoder: CudaDecoder, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray) -> tuple["torch.Tensor", float]:
+    """``decoder.decode_symbols`` and its wall time including the copy of the payloads to the GPU."""
     import torch  # noqa: PLC0415
 
-    lib = library()
-    host = coder.tables(freqs)
-    layout.validate(host.n_tables)
-    if len(payloads) != layout.n_streams:
-        raise CoderError(f"expected {layout.n_streams} substreams, got {len(payloads)}")
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        raise CoderError(f"decode_cuda needs a CUDA device, got {dev}")
-    tables, info, lut = _tables_on(host, freqs, dev)
-    counts = layout.counts()
-    lengths = np.fromiter((len(p) for p in payloads), dtype=np.int64, count=layout.n_streams)
-    in_off = np.zeros(layout.n_streams + 1, dtype=np.int64)
-    np.cumsum(lengths, out=in_off[1:])
-    order = np.argsort(-counts, kind="stable").astype(np.int32)  # longest first: halves of a warp pair up
-    host = torch.from_numpy(np.frombuffer(b"".join(payloads) + b"\0", dtype=np.uint8).copy())
-    buf = host.pin_memory().to(dev, non_blocking=True) if torch.cuda.is_available() else host.to(dev)
-    small = [torch.from_numpy(a).to(dev) for a in (in_off, np.ascontiguousarray(layout.offsets), np.ascontiguousarray(layout.table_ids), order)]
-    out = torch.empty(max(1, layout.n_symbols), dtype=torch.uint8, device=dev)
-    status = torch.zeros(max(1, layout.n_streams), dtype=torch.int32, device=dev)
-    stream = torch.cuda.current_stream(dev)
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    err = lib.cg_cuda_decode(
-        buf.data_ptr(), small[0].data_ptr(), layout.n_streams, small[1].data_ptr(), small[2].data_ptr(), layout.period,
-        info.data_ptr(), lut.data_ptr(), tables.lut_bits, tables.alphabet, small[3].data_ptr(), out.data_ptr(),
-        status.data_ptr(), ctypes.c_void_p(stream.cuda_stream), int(os.environ.get("CACHEGEN_CUDA_BLOCK", "64")),
-    )  # fmt: skip
-    stop.record(stream)
-    if err:
-        raise CoderError(f"CUDA decoder launch failed with cudaError {err}")
-    codes = status[: layout.n_streams].cpu().numpy()  # synchronises
-    coder.last_cuda_kernel_s = start.elapsed_time(stop) / 1000
-    bad = np.flatnonzero(codes)
-    if bad.size:
-        raise CoderError(f"CUDA decode failed: substream {int(bad[0])}: {_describe(codes[bad[0]])}")
-    return out[: layout.n_symbols]
-
-
-def timed_decode(coder: "NativeCoder", payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray, device: Any = "cuda") -> tuple["torch.Tensor", float]:
-    """``decode`` and its wall time including the copy of the payloads to the GPU."""
-    import torch  # noqa: PLC0415
-
-    torch.cuda.synchronize(device)
+    torch.cuda.synchronize(decoder.device)
     t = time.perf_counter()
-    out = decode(coder, payloads, layout, freqs, device)
-    torch.cuda.synchronize(device)
+    out = decoder.decode_symbols(payloads, layout, freqs)
+    torch.cuda.synchronize(decoder.device)
     return out, time.perf_counter() - t

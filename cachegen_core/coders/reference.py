@@ -1,22 +1,32 @@
 """Range coding through torchac: the slow, trusted oracle for the symbols.
 
-torchac wants a CDF per symbol, so each substream's per-channel tables are expanded in
-slices of at most ``max_cdf_bytes``; a substream longer than one slice cannot be coded
-by torchac in pieces (one call = one byte string), so the codec keeps substreams short
-enough (``CodecConfig.stream_symbols``) and this coder refuses longer ones clearly.
+torchac is an optional extra (``pip install langchain-cachegen[torchac]``): ``available``
+tells whether it is installed without importing it (its first import compiles a C++
+extension), and the registry lists this coder only then.
+
+torchac wants a CDF per symbol, so each substream's per-channel tables are expanded to
+one CDF per symbol; a substream cannot be coded by torchac in pieces (one call = one
+byte string), so the codec keeps substreams short enough (``CodecConfig.stream_symbols``)
+and this coder refuses ones longer than ``max_stream_symbols`` clearly.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from ..errors import CoderError
-from .base import MAX_ALPHABET, StreamLayout, validate_freqs
+from .base import StreamLayout, validate_freqs
 
 _torchac = None
+
+
+def available() -> bool:
+    """Whether torchac is installed (looked up, not imported)."""
+    return importlib.util.find_spec("torchac") is not None
 
 
 def _backend():
@@ -78,7 +88,6 @@ class ReferenceCoder:
         layout.validate(freqs.shape[0])
         if len(payloads) != layout.n_streams:
             raise CoderError(f"expected {layout.n_streams} substreams, got {len(payloads)}")
-        assert freqs.shape[1] <= MAX_ALPHABET
         tac = _backend()
         cdf = _cdf_table(freqs)
         out = np.empty(layout.n_symbols, dtype=np.uint8)

@@ -1,0 +1,17 @@
+"""The engine: a model, a codec and a store answering prompts with their contexts' KV reused.
+
+- :mod:`.engine`: :class:`KVEngine` (lookup, stream, generate, batch);
+- :mod:`.reader`: :class:`ChunkReader` (manifest lookup, fetch, checked decode, the batched stream);
+- :mod:`.writer`: :class:`ChunkWriter` (encode every stored level, write, manifest last; background worker);
+- :mod:`.cost`: :class:`CostModel` (the per-token costs the streaming controller plans with);
+- :mod:`.hf`: the transformers side (prefill, generation on a reused KV, stop strings, first-token time);
+- :mod:`.info`: :class:`GenerationInfo` (what one request did).
+"""
+
+from .cost import CostModel
+from .engine import KVEngine
+from .info import GenerationInfo
+from .reader import ChunkReader
+from .writer import ChunkWriter, StoreHealth
+
+__all__ = ["ChunkReader", "ChunkWriter", "CostModel", "GenerationInfo", "KVEngine", "StoreHealth"]

@@ -1,0 +1,304 @@
+"""KVEngine: the four operations of CacheGen over a model, a codec and a store.
+
+``calculate_kv`` prefills a context; ``store_kv`` encodes its complete chunks at every
+stored level and puts them in the store; ``get_kv`` fetches and decodes chunks; and
+``generate_with_kv`` generates on top of a decoded KV, prefilling only the tokens it
+does not cover. ``generate`` ties them together like a prefix cache: the chunk
+manifests of the prompt are looked up in one request, the longest run of leading
+chunks found is streamed (fetched and decoded, or prefilled as text on the controller's
+word), the rest of the prompt is prefilled by the model, and new complete chunks go to
+the :class:`ChunkWriter`, off the request's path; the :class:`ChunkReader` does the reading. A store error or a bad blob is logged
+and the chunk recomputed: never a crash, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..chunks import Chunk, chunk_keys
+from ..codec import KVCodec
+from ..config import CodecConfig
+from ..errors import CacheGenError, StoreError
+from ..fingerprint import model_fingerprint
+from ..kv import KVCache
+from ..profile import Profile
+from ..stores.base import KVStore
+from ..streaming import Controller, make_estimator
+from . import hf
+from .cost import CostModel
+from .info import GenerationInfo
+from .reader import ChunkReader, report
+from .writer import ChunkWriter
+
+log = logging.getLogger("cachegen_core.engine")
+
+
+class KVEngine:
+    """CacheGen over one Hugging Face causal LM, one ``KVCodec`` and one ``KVStore``.
+
+    ``chunk_tokens``: tokens per stored chunk. ``level``: the finest level fetched on a
+    hit (default: the codec's default); without ``slo_s`` every hit uses it.
+    ``store_levels``: levels written on a miss (default: all). ``slo_s``: time budget
+    for fetching and decoding a prompt's cached chunks; the streaming controller then
+    picks, chunk by chunk, ``level`` or a coarser stored level, or sends the chunk as
+    text to be prefilled, from the bandwidth measured by ``estimator`` (``"harmonic"``
+    or ``"last"``). ``background``: store new chunks in a worker thread (True) or inline
+    before returning (False, deterministic for scripts and tests).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        codec: KVCodec | None = None,
+        store: KVStore | None = None,
+        *,
+        chunk_tokens: int = 1536,
+        level: int | None = None,
+        store_levels: Sequence[int] | None = None,
+        background: bool = True,
+        queue_size: int = 64,
+        add_special_tokens: bool = True,
+        slo_s: float | None = None,
+        estimator: str = "harmonic",
+    ) -> None:
+        if chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.fingerprint = model_fingerprint(model, tokenizer)
+        self.codec = codec or KVCodec(fingerprint=self.fingerprint)
+        if not self.codec.fingerprint:
+            self.codec.fingerprint = self.fingerprint
+        if store is None:
+            from ..stores.disk import DiskCacheStore  # noqa: PLC0415
+
+            store = DiskCacheStore()
+        self.chunk_tokens = chunk_tokens
+        self.level = self.codec.config.default_level if level is None else level
+        if self.level not in self.codec.levels:
+            raise ValueError(f"level {self.level} not in {self.codec.levels}")
+        self.store_levels = list(self.codec.levels if store_levels is None else store_levels)
+        if self.level not in self.store_levels:
+            raise ValueError(f"the fetched level {self.level} must be among store_levels {self.store_levels}")
+        self.add_special_tokens = add_special_tokens
+        self.slo_s = slo_s
+        self.estimator_name = estimator
+        self.estimator = make_estimator(estimator)
+        self.cost_model = CostModel()
+        self.kv_geometry = hf.kv_geometry(model.config)
+        self.writer = ChunkWriter(self.codec, store, self.store_levels, background=background, queue_size=queue_size)
+        self.reader = ChunkReader(self.codec, store, self.kv_geometry, self.cost_model, self.writer.health)
+        self._lock = threading.Lock()  # one model call at a time
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_model: str | Path | Any,
+        *,
+        tokenizer: Any = None,
+        store: KVStore | None = None,
+        profile: Profile | str | Path | None = "auto",
+        config: CodecConfig | None = None,
+        dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> KVEngine:
+        """Load a model (local dir, ``.gguf`` file, or the bundled reference model's short name) and build an engine.
+
+        ``profile="auto"`` uses the profile stored beside the model in the user cache
+        when there is one for this codec configuration, else chunks carry their own tables.
+        """
+        if isinstance(path_or_model, (str, Path)):
+            from ..models import load_model  # noqa: PLC0415
+
+            model, tok = load_model(path_or_model, dtype=dtype)
+            tokenizer = tokenizer or tok
+        else:
+            model = path_or_model
+            if tokenizer is None:
+                raise ValueError("pass tokenizer= with a model object")
+        fp = model_fingerprint(model, tokenizer)
+        config = config or CodecConfig()
+        if profile == "auto":
+            from ..profile import find_profile  # noqa: PLC0415
+
+            profile = find_profile(fp, config)
+        elif isinstance(profile, (str, Path)):
+            profile = Profile.load(profile)
+        return cls(model, tokenizer, KVCodec(config, profile, fingerprint=fp), store, **kwargs)
+
+    @property
+    def store(self) -> KVStore:
+        """The store chunks are read from and written to (assignable: the writer follows)."""
+        return self.writer.store
+
+    @store.setter
+    def store(self, store: KVStore) -> None:
+        self.writer.store = self.reader.store = store
+
+    # ------------------------------------------------------------ the four operations
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` as the model sees it."""
+        return list(self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"])
+
+    def _ids(self, context: str | Sequence[int]) -> list[int]:
+        ids = self.tokenize(context) if isinstance(context, str) else [int(t) for t in context]
+        if not ids:
+            raise ValueError("empty context: nothing to compute")
+        return ids
+
+    def chunks(self, context: str | Sequence[int]) -> list[Chunk]:
+        """The complete chunks of a context, with their store keys."""
+        return chunk_keys(self._ids(context), chunk_tokens=self.chunk_tokens, fingerprint=self.fingerprint,
+                          codec_id=self.codec.codec_id, profile_id=self.codec.profile_id or "")  # fmt: skip
+
+    def calculate_kv(self, context: str | Sequence[int]) -> KVCache:
+        """Prefill ``context`` with the model and return its KV cache."""
+        ids = self._ids(context)
+        with self._lock:
+            return hf.prefill(self.model, ids)
+
+    def store_kv(self, context: str | Sequence[int]) -> list[str]:
+        """Encode every complete chunk of ``context`` at every stored level, put them; return the chunk ids."""
+        chunks = self.chunks(context)
+        if not chunks:
+            return []
+        kv = self.calculate_kv(self._ids(context)[: chunks[-1].end])
+        for c in chunks:
+            self.writer.write(c, kv.slice(c.start, c.end))
+        return [c.key for c in chunks]
+
+    def get_kv(self, chunk_ids: Sequence[str], level: int | None = None, info: GenerationInfo | None = None) -> KVCache:
+        """Fetch and decode chunks (in order) at ``level``; raises ``StoreError`` (``BlobMissing``) or ``CacheGenFormatError``."""
+        return self.reader.get(chunk_ids, self.level if level is None else level, info)
+
+    def generate_with_kv(self, kv: KVCache | None, prompt: str | Sequence[int], **generation_kwargs: Any) -> str:
+        """Generate a continuation of ``prompt`` whose first ``kv.num_tokens`` tokens are covered by ``kv``."""
+        text, _ = self._generate_ids(self._ids(prompt), kv, time.perf_counter(), GenerationInfo(), generation_kwargs)
+        return text
+
+    # ------------------------------------------------------------ whole requests
+    def generate(self, prompt: str | Sequence[int], *, streamer: Any = None, **generation_kwargs: Any) -> tuple[str, GenerationInfo]:
+        """Answer ``prompt``, reusing its longest cached run of leading chunks; returns (text, info).
+
+        ``generation_kwargs`` go to transformers' ``generate``, plus ``stop``: a list of
+        strings after which generation stops (the text is returned whole; callers cut it).
+        """
+        return self._answer([prompt], generation_kwargs, streamer=streamer)[0]
+
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], **generation_kwargs: Any) -> list[tuple[str, GenerationInfo]]:
+        """Answer several prompts that arrived together: their cached chunks are streamed as one batch.
+
+        A chunk shared by several prompts is fetched and decoded once, and the
+        controller plans with the bytes of the whole batch against the SLO.
+        """
+        return self._answer(list(prompts), generation_kwargs)
+
+    def stream(self, prompt: str | Sequence[int], **generation_kwargs: Any) -> Iterator[str | GenerationInfo]:
+        """Yield text pieces as they are generated, then the ``GenerationInfo`` last."""
+        from transformers import TextIteratorStreamer  # noqa: PLC0415
+
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                result["text"], result["info"] = self.generate(prompt, streamer=streamer, **generation_kwargs)
+            except BaseException as e:  # surfaced in the caller's thread below
+                result["error"] = e
+                streamer.end()
+
+        thread = threading.Thread(target=run, name="cachegen-generate", daemon=True)
+        thread.start()
+        for piece in streamer:
+            if piece:
+                yield piece
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        yield result["info"]
+
+    def _answer(self, prompts: list[str | Sequence[int]], generation_kwargs: dict[str, Any], streamer: Any = None) -> list[tuple[str, GenerationInfo]]:
+        start = time.perf_counter()
+        infos = [GenerationInfo() for _ in prompts]
+        all_ids = [self._ids(p) for p in prompts]
+        all_chunks = [self.chunks(ids) for ids in all_ids]
+        for ids, info in zip(all_ids, infos):
+            info.prompt_tokens = len(ids)
+        controller = Controller(tuple(self.stream_levels), self.slo_s, self.cost_model.prefill_s_per_token)
+        kvs = self.reader.stream(list(zip(all_ids, all_chunks)), infos, level=self.level, controller=controller,
+                                 estimator=self.estimator, prefill=self._prefill)  # fmt: skip
+        out = []
+        for ids, chunks, kv, info in zip(all_ids, all_chunks, kvs, infos):
+            text, cache = self._generate_ids(ids, kv, start, info, generation_kwargs, streamer=streamer)
+            self._store_new_chunks(chunks, kv, cache, info)
+            info.total_s = time.perf_counter() - start
+            out.append((text, info))
+        return out
+
+    # ------------------------------------------------------------ the warm path
+    @property
+    def stream_levels(self) -> list[int]:
+        """Levels the controller may fetch: ``level`` and every coarser stored level."""
+        return sorted(lv for lv in self.store_levels if lv >= self.level)
+
+    def _prefill(self, ids: list[int], past: KVCache | None) -> KVCache:
+        """KV of ``ids`` computed on top of ``past`` (the text option of streaming), timed."""
+        t = time.perf_counter()
+        with self._lock:
+            kv = hf.prefill(self.model, ids, past)
+        self.cost_model.observe_prefill((time.perf_counter() - t) / len(ids))
+        return kv
+
+    # ------------------------------------------------------------ generation and storing
+    def _generate_ids(
+        self, ids: list[int], kv: KVCache | None, start: float, info: GenerationInfo, generation_kwargs: dict[str, Any], streamer: Any = None
+    ) -> tuple[str, Any]:
+        if kv is not None and kv.num_tokens >= len(ids):
+            kv = kv.slice(0, len(ids) - 1)  # generate() needs at least one token to prefill
+        covered = kv.num_tokens if kv is not None else 0
+        info.cached_tokens = covered
+        info.recomputed_tokens = len(ids) - covered
+        with self._lock:
+            out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer)
+        info.new_tokens = out.new_tokens
+        info.ttft_s = out.ttft_s if out.ttft_s is not None else time.perf_counter() - start
+        if info.recomputed_tokens > 64 and out.ttft_s is not None:
+            per_token = (out.ttft_s - info.fetch_s - info.decode_s) / info.recomputed_tokens
+            if per_token > 0:
+                self.cost_model.observe_prefill(per_token)
+        return out.text, out.cache
+
+    def _store_new_chunks(self, chunks: list[Chunk], kv: KVCache | None, cache: Any, info: GenerationInfo) -> None:
+        """Hand the writer the complete chunks that were computed (not fetched) in this request."""
+        done = kv.num_tokens if kv is not None else 0
+        full = None
+        for c in chunks:
+            if c.end <= done or cache is None:
+                continue
+            full = full or KVCache.from_dynamic_cache(cache)
+            part = full.slice(c.start, c.end)
+            try:
+                if self.writer.submit(c, KVCache(part.keys.clone(), part.values.clone())):
+                    info.chunks_queued += 1
+            except StoreError as e:  # logged once by the writer, not per chunk
+                info.errors.append(f"storing chunk {c.index} failed: {e}")
+            except CacheGenError as e:
+                report(info, f"storing chunk {c.index} failed: {e}")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued chunks to be stored; False if ``timeout`` passed first."""
+        return self.writer.flush(timeout)
+
+    @property
+    def store_stats(self) -> dict[str, int]:
+        """Chunks written, failed and dropped (queue full) by the background writer, and still queued."""
+        return self.writer.stats
+

@@ -1,0 +1,139 @@
+"""The transformers side of the engine: prefill, generation on top of a reused KV, stop strings, timing.
+
+Plain functions over a Hugging Face causal LM and its tokenizer; the engine serialises
+calls to the model. Stop strings use transformers' own ``StopStringCriteria`` where it
+understands the tokenizer (every subword tokenizer), and a decoded-text check otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..kv import KVCache
+
+
+def kv_geometry(config: Any) -> tuple[int, int, int]:
+    """A model config's (layers, KV heads, head dim)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return text.num_hidden_layers, heads, head_dim
+
+
+def model_cache(model: Any, kv: KVCache | None) -> Any:
+    """``kv`` as a transformers cache on the model's device and in its dtype (None stays None)."""
+    if kv is None:
+        return None
+    dtype = next(model.parameters()).dtype
+    return kv.to(device=model.device, dtype=dtype).to_dynamic_cache(model.config)
+
+
+@torch.no_grad()
+def prefill(model: Any, ids: Sequence[int], past: KVCache | None = None) -> KVCache:
+    """KV of ``ids`` computed by the model on top of ``past`` (only the new tokens, owning their memory)."""
+    out = model(torch.tensor([list(ids)], device=model.device), past_key_values=model_cache(model, past), use_cache=True)
+    kv = KVCache.from_dynamic_cache(out.past_key_values).slice(past.num_tokens if past is not None else 0)
+    return KVCache(kv.keys.clone(), kv.values.clone())
+
+
+class FirstTokenTimer:
+    """A transformers streamer that records when the first generated token appears, passing tokens on."""
+
+    def __init__(self, start: float, inner: Any = None) -> None:
+        self.start = start
+        self.ttft: float | None = None
+        self.inner = inner
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True  # generate() first pushes the prompt ids
+        elif self.ttft is None:
+            self.ttft = time.perf_counter() - self.start
+        if self.inner is not None:
+            self.inner.put(value)
+
+    def end(self) -> None:
+        if self.inner is not None:
+            self.inner.end()
+
+
+class _StopOnDecodedText:
+    """Stop once the decoded new text contains a stop string: for tokenizers ``StopStringCriteria`` cannot map."""
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str], prompt_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.stops = list(stops)
+        self.prompt_len = prompt_len
+        self.window = 2 * max(len(s) for s in self.stops) + 4  # tokens: a stop can span at most this many
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        text = self.tokenizer.decode(input_ids[0, self.prompt_len :][-self.window :], skip_special_tokens=True)
+        done = any(s in text for s in self.stops)
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+
+def stop_criterion(tokenizer: Any, stops: Sequence[str], prompt_len: int) -> Any:
+    """A stopping criterion for ``stops``: transformers' ``StopStringCriteria``, or a decoded-text check."""
+    from transformers import StopStringCriteria  # noqa: PLC0415
+
+    stops = [s for s in stops if s]
+    try:
+        return StopStringCriteria(tokenizer=tokenizer, stop_strings=stops)
+    except (ValueError, KeyError, IndexError, TypeError):  # its vocabulary cleaning assumes subword tokens
+        return _StopOnDecodedText(tokenizer, stops, prompt_len)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A generation's text, the model's cache after it, new token count and first-token time (None if none)."""
+
+    text: str
+    cache: Any
+    new_tokens: int
+    ttft_s: float | None
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    tokenizer: Any,
+    ids: Sequence[int],
+    past: KVCache | None,
+    start: float,
+    generation_kwargs: dict[str, Any],
+    streamer: Any = None,
+) -> Generated:
+    """Generate after ``ids``, whose first ``past.num_tokens`` tokens ``past`` covers (it must leave one).
+
+    ``generation_kwargs`` go to ``model.generate`` (greedy, 64 new tokens by default), plus
+    ``stop``: strings after which generation stops (the text is returned whole; callers
+    cut it). ``start`` is when the request began, for the first-token time.
+    """
+    kwargs = {"max_new_tokens": 64, "do_sample": False, **generation_kwargs}
+    stops = [s for s in kwargs.pop("stop", None) or [] if s]
+    if stops:
+        from transformers import StoppingCriteriaList  # noqa: PLC0415
+
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(stop_criterion(tokenizer, stops, len(ids)))
+        kwargs["stopping_criteria"] = criteria
+    if kwargs.get("pad_token_id") is None and tokenizer.pad_token_id is None:
+        kwargs["pad_token_id"] = tokenizer.eos_token_id
+    timer = FirstTokenTimer(start, streamer)
+    input_ids = torch.tensor([list(ids)], device=model.device)
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        past_key_values=model_cache(model, past),
+        streamer=timer,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    new = out.sequences[0, len(ids) :]
+    return Generated(tokenizer.decode(new, skip_special_tokens=True), out.past_key_values, int(new.numel()), timer.ttft)

@@ -1,0 +1,200 @@
+"""ChunkReader: find a prompt's stored chunks and stream them back as KV.
+
+The read side of the store, as :class:`~.writer.ChunkWriter` is the write side: manifest
+lookup (one ``get_many`` per prompt), blob fetch, decode checked against the model's KV
+geometry (a forged, well-formed blob of another shape is refused), and the pipelined
+stream of several prompts' chunks under the controller (a chunk shared by prompts goes
+once). It measures what the controller plans with into the shared :class:`CostModel`.
+Failures never escape: a bad blob or a store error is reported in the request's
+``GenerationInfo`` and the chunks from there on are left to be recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from ..chunks import Chunk, blob_key
+from ..codec import KVCodec
+from ..errors import BlobMissing, CacheGenFormatError, StoreError
+from ..kv import KVCache
+from ..manifest import Manifest, manifest_key
+from ..stores.base import KVStore
+from ..streaming import TEXT, Controller, Estimator, StreamFailure, stream_batch
+from .cost import CostModel
+from .info import GenerationInfo
+from .writer import StoreHealth
+
+log = logging.getLogger("cachegen_core.engine")
+
+#: The text option: KV of ``ids`` computed by the model on top of the KV before them.
+Prefill = Callable[[list[int], "KVCache | None"], KVCache]
+
+
+def report(info: GenerationInfo, msg: str) -> None:
+    """A request-level problem: in the request's errors and in the log."""
+    info.errors.append(msg)
+    log.warning(msg)
+
+
+class ChunkReader:
+    """Reads chunks of ``codec`` from ``store`` for a model of KV ``geometry`` (layers, KV heads, head dim)."""
+
+    def __init__(self, codec: KVCodec, store: KVStore, geometry: tuple[int, int, int], cost_model: CostModel, health: StoreHealth) -> None:
+        self.codec = codec
+        self.store = store
+        self.geometry = geometry
+        self.cost_model = cost_model
+        self.health = health
+
+    def trouble(self, info: GenerationInfo, msg: str) -> None:
+        """A store failure: in the request's errors always, in the log once until the store recovers."""
+        info.errors.append(msg)
+        self.health.failed(msg)
+
+    def lookup(self, chunks: Sequence[Chunk], level: int, info: GenerationInfo) -> list[Manifest]:
+        """Manifests of the longest run of leading chunks stored with ``level`` (one store request)."""
+        if not chunks:
+            return []
+        try:
+            raw = self.store.get_many([manifest_key(c.key) for c in chunks])
+        except StoreError as e:
+            self.trouble(info, f"store failure, recomputing every chunk: {e}")
+            return []
+        if raw and raw[0] is not None:  # a store that hands data back works again (a miss proves nothing of writes)
+            self.health.recovered()
+        run = []
+        for c, data in zip(chunks, raw):
+            if data is None:
+                break
+            try:
+                manifest = Manifest.from_bytes(data)
+            except CacheGenFormatError as e:
+                report(info, f"bad manifest for chunk {c.index}, recomputing from there: {e}")
+                break
+            if level not in manifest:
+                break
+            run.append(manifest)
+        return run
+
+    def fetch(self, key: str, level: int) -> bytes:
+        """The blob of chunk ``key`` at ``level``; ``BlobMissing`` when it is not (or no longer) stored."""
+        blob = self.store.get(blob_key(key, level))
+        if blob is None:
+            raise BlobMissing(f"chunk {key[:12]} at level {level} is not in the store")
+        return blob
+
+    def decode(self, blob: bytes, key: str, level: int, tokens: int | None = None) -> KVCache:
+        """The chunk's KV, checked against the model (and ``tokens``); its cost goes into the cost model."""
+        t = time.perf_counter()
+        kv = self.codec.decode(blob, level=level)
+        if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != self.geometry:  # checksums say nothing of a forged shape
+            raise CacheGenFormatError(f"chunk {key[:12]} decoded to KV of shape {kv.shape}, the model's is "
+                                      f"(layers, kv heads, head dim) = {self.geometry}")  # fmt: skip
+        if tokens is not None and kv.num_tokens != tokens:
+            raise CacheGenFormatError(f"chunk {key[:12]} decoded to {kv.num_tokens} tokens, expected {tokens}")
+        self.cost_model.observe_decode(level, len(blob), time.perf_counter() - t, kv.num_tokens)
+        return kv
+
+    def get(self, chunk_ids: Sequence[str], level: int, info: GenerationInfo | None = None) -> KVCache:
+        """Fetch and decode chunks in order at ``level``; raises ``StoreError`` (``BlobMissing``) or ``CacheGenFormatError``."""
+        if not chunk_ids:
+            raise ValueError("get_kv needs at least one chunk id")
+        parts = []
+        for key in chunk_ids:
+            t0 = time.perf_counter()
+            blob = self.fetch(key, level)
+            t1 = time.perf_counter()
+            parts.append(self.decode(blob, key, level))
+            if info is not None:
+                info.fetch_s += t1 - t0
+                info.decode_s += time.perf_counter() - t1
+                info.bytes_fetched += len(blob)
+                info.levels.append(level)
+        return KVCache.concat(parts)
+
+    def stream(
+        self,
+        prompts: Sequence[tuple[list[int], list[Chunk]]],
+        infos: Sequence[GenerationInfo],
+        *,
+        level: int,
+        controller: Controller,
+        estimator: Estimator,
+        prefill: Prefill,
+    ) -> list[KVCache | None]:
+        """Stream the stored leading chunks of every (ids, chunks) prompt as one batch; each prompt's KV.
+
+        Chunks are looked up at ``level``; the controller picks among its levels (those the
+        chunk's manifest lists) and text, for which ``prefill`` is called. ``None``: nothing reused.
+        """
+        runs, manifests, owner = [], {}, {}
+        for (ids, chunks), info in zip(prompts, infos):
+            found = self.lookup(chunks, level, info)
+            runs.append(chunks[: len(found)])
+            for c, m in zip(chunks, found):
+                manifests[c.key] = m
+                owner.setdefault(c.key, (c, ids))
+        if not manifests:
+            return [None] * len(prompts)
+        decoded: dict[str, KVCache] = {}
+
+        def decode(blob: bytes, key: str, lv: int) -> KVCache:
+            decoded[key] = self.decode(blob, key, lv, owner[key][0].num_tokens)
+            return decoded[key]
+
+        def on_text(key: str) -> KVCache:
+            c, ids = owner[key]  # prefix-chained keys: the chunks before it in its prompt were streamed first
+            before = [decoded[k] for k in _keys_before(c, runs)]
+            decoded[key] = prefill(ids[c.start : c.end], KVCache.concat(before) if before else None)
+            return decoded[key]
+
+        def cost(key: str):  # noqa: ANN202
+            sizes = {lv: n for lv, n in manifests[key].sizes.items() if lv in controller.levels}
+            return self.cost_model.chunk_cost(owner[key][0].num_tokens, sizes)
+
+        batch_info = infos[0] if len(infos) == 1 else GenerationInfo()
+        try:
+            records = stream_batch([[c.key for c in run] for run in runs], cost, fetch=self.fetch, decode=decode,
+                                   on_text=on_text, controller=controller, estimator=estimator).plan.records  # fmt: skip
+        except StreamFailure as f:
+            self._failed(batch_info, f)
+            records = f.partial.trace
+        for r in records:
+            batch_info.stream.append(r.as_dict())
+            batch_info.bytes_fetched += r.bytes
+            batch_info.fetch_s += r.fetch_s
+            batch_info.decode_s += r.decode_s
+        option = {r.chunk: r.option for r in records}
+        kvs = []
+        for run, info in zip(runs, infos):
+            mine = []
+            for c in run:
+                if c.key not in decoded:
+                    break
+                mine.append(decoded[c.key])
+            info.levels = [option[c.key] for c in run[: len(mine)]]
+            info.text_chunks = sum(lv == TEXT for lv in info.levels)
+            if info is not batch_info:  # fetch figures are the batch's: the chunks were streamed once for every prompt
+                info.stream, info.errors = batch_info.stream, info.errors + batch_info.errors
+                info.bytes_fetched, info.fetch_s, info.decode_s = batch_info.bytes_fetched, batch_info.fetch_s, batch_info.decode_s
+            kvs.append(KVCache.concat(mine) if mine else None)
+        return kvs
+
+    def _failed(self, info: GenerationInfo, f: StreamFailure) -> None:
+        if isinstance(f.cause, BlobMissing):  # evicted since its manifest was read: a plain miss
+            return
+        if isinstance(f.cause, StoreError):
+            self.trouble(info, f"store failure for chunk {f.index}, recomputing from there: {f.cause}")
+        else:
+            kind = "bad blob" if isinstance(f.cause, CacheGenFormatError) else "failure"
+            report(info, f"{kind} for chunk {f.index}, recomputing from there: {f.cause}")
+
+
+def _keys_before(chunk: Chunk, runs: Sequence[Sequence[Chunk]]) -> list[str]:
+    """Keys of the chunks before ``chunk`` in a prompt holding it (prefix-chained keys: any such prompt will do)."""
+    for run in runs:
+        if chunk.index < len(run) and run[chunk.index].key == chunk.key:
+            return [c.key for c in run[: chunk.index]]
+    raise KeyError(chunk.key)

@@ -1,0 +1,45 @@
+"""Streaming KV chunks under a deadline: bandwidth estimation, per-chunk choice of level or text, and
+the pipelined drivers that run it. Plain functions over plain data: no model, no store.
+
+- :mod:`.estimators`: bandwidth from measured fetches (harmonic mean, or the paper's last sample);
+- :mod:`.controller`: the decision rule (:func:`choose`) and its pipeline prediction;
+- :mod:`.driver`: :func:`stream_chunks` / :func:`stream_batch`, which fetch chunk i+1 while chunk i
+  decodes, and the records they leave.
+"""
+
+from .controller import TEXT, ChunkCost, Controller, Decision, Option, choose, compute_seconds, predict_finish
+from .driver import (
+    BatchResult,
+    ChunkRecord,
+    StreamFailure,
+    StreamPlan,
+    StreamResult,
+    stream_batch,
+    stream_chunks,
+    unique_in_order,
+)
+from .estimators import ESTIMATORS, Estimator, HarmonicMeanEstimator, LastSampleEstimator, make_estimator
+
+__all__ = [
+    "ESTIMATORS",
+    "TEXT",
+    "BatchResult",
+    "ChunkCost",
+    "ChunkRecord",
+    "Controller",
+    "Decision",
+    "Estimator",
+    "HarmonicMeanEstimator",
+    "LastSampleEstimator",
+    "Option",
+    "StreamFailure",
+    "StreamPlan",
+    "StreamResult",
+    "choose",
+    "compute_seconds",
+    "make_estimator",
+    "predict_finish",
+    "stream_batch",
+    "stream_chunks",
+    "unique_in_order",
+]

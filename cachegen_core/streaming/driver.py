@@ -1,0 +1,220 @@
+"""Running the controller over a stream of chunks: fetch chunk i+1 while chunk i decodes.
+
+:func:`stream_chunks` runs the choice chunk by chunk, fetching chunk i+1 in a worker thread
+while chunk i decodes on the caller's thread, and feeds each measured fetch to the
+estimator; :func:`stream_batch` streams several requests' chunks as one stream, each
+distinct chunk fetched and decoded once. Every chunk leaves a :class:`ChunkRecord`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Generic, TypeVar
+
+from .controller import TEXT, ChunkCost, Controller, Decision, Option, compute_seconds
+from .estimators import Estimator
+
+C = TypeVar("C", bound=Hashable)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """What happened to one streamed chunk, for generation info.
+
+    ``estimate_bps``: the estimate before the choice; ``throughput_bps``: measured by this
+    chunk's fetch, after it (None for text). ``decode_s`` is the prefill time for text.
+    """
+
+    index: int
+    chunk: Hashable
+    option: Option
+    estimate_bps: float | None
+    predicted_finish_s: float | None
+    feasible: bool
+    bytes: int = 0
+    fetch_s: float = 0.0
+    decode_s: float = 0.0
+    throughput_bps: float | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """The record of one stream: per-chunk records, total seconds, its SLO and batch size."""
+
+    records: tuple[ChunkRecord, ...] = ()
+    seconds: float = 0.0
+    slo_s: float | None = None
+    n_requests: int = 1
+
+    @property
+    def options(self) -> list[Option]:
+        return [r.option for r in self.records]
+
+    @property
+    def slo_met(self) -> bool | None:
+        return None if self.slo_s is None else self.seconds <= self.slo_s
+
+    def as_dict(self) -> dict[str, object]:
+        return {"slo_s": self.slo_s, "n_requests": self.n_requests, "seconds": self.seconds,
+                "chunks": [r.as_dict() for r in self.records]}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StreamResult(Generic[T]):
+    """Decoded parts in stream order and the plan that produced them."""
+
+    parts: list[T]
+    plan: StreamPlan
+
+    @property
+    def trace(self) -> tuple[ChunkRecord, ...]:
+        return self.plan.records
+
+    @property
+    def seconds(self) -> float:
+        return self.plan.seconds
+
+
+@dataclass(frozen=True)
+class BatchResult(Generic[T]):
+    """Each request's parts in its own order, and the plan of the one shared stream."""
+
+    parts: list[list[T]]
+    plan: StreamPlan
+
+
+class StreamFailure(Exception):
+    """A fetch, decode or prefill failed at stream position ``index`` (``chunk``).
+
+    ``partial`` holds what was decoded before it, so the caller can recompute the rest.
+    """
+
+    def __init__(self, index: int, chunk: Hashable, cause: BaseException, partial: StreamResult) -> None:
+        super().__init__(f"chunk {index}: {cause}")
+        self.index, self.chunk, self.cause, self.partial = index, chunk, cause, partial
+
+
+# ------------------------------------------------------------------ the drivers
+def stream_chunks(
+    chunk_ids: Sequence[C],
+    costs: Sequence[ChunkCost] | Callable[[C], ChunkCost],
+    *,
+    fetch: Callable[[C, int], bytes],
+    decode: Callable[[bytes, C, int], T],
+    on_text: Callable[[C], T],
+    controller: Controller,
+    estimator: Estimator,
+    n_requests: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> StreamResult[T]:
+    """Stream ``chunk_ids`` in order, choosing each one's option; fetch i+1 overlaps decode i.
+
+    ``costs``: one per chunk, or a function of the chunk read at every decision (so live
+    measurements reach the plan). ``fetch(chunk, level)`` runs in one worker thread and
+    returns the blob (raise if it is missing); ``decode(blob, chunk, level)`` and
+    ``on_text(chunk)`` (the text option: the caller prefills) run on the calling thread, in
+    stream order, each after the previous chunk's has returned, so they may build on it.
+    Each fetch's bytes and seconds update ``estimator``. A failing fetch, decode or
+    prefill raises :class:`StreamFailure` with the parts decoded before it.
+    """
+    ids = list(chunk_ids)
+    cost_of: Callable[[int], ChunkCost] = (lambda i: costs(ids[i])) if callable(costs) else (lambda i: costs[i])  # type: ignore[index,arg-type,operator]
+    start = clock()
+    records: list[ChunkRecord] = []
+    parts: list[T] = []
+
+    def plan(i: int, busy_s: float) -> Decision:
+        return controller.decide([cost_of(j) for j in range(i, len(ids))], elapsed_s=clock() - start,
+                                 bandwidth=estimator.estimate(), n_requests=n_requests, busy_s=busy_s)  # fmt: skip
+
+    def timed_fetch(chunk: C, level: int) -> tuple[bytes, float]:
+        t = clock()
+        blob = fetch(chunk, level)
+        return blob, clock() - t
+
+    def result() -> StreamResult[T]:
+        return StreamResult(list(parts), StreamPlan(tuple(records), clock() - start, controller.slo_s, n_requests))
+
+    if not ids:
+        return result()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachegen-fetch")
+    try:
+        decision = plan(0, 0.0)
+        pending: Future[tuple[bytes, float]] | None = None
+        if decision.option != TEXT:
+            pending = pool.submit(timed_fetch, ids[0], decision.option)
+        for i, chunk in enumerate(ids):
+            blob, fetch_s = b"", 0.0
+            if decision.option != TEXT:
+                assert pending is not None
+                try:
+                    blob, fetch_s = pending.result()
+                except Exception as e:
+                    raise StreamFailure(i, chunk, e, result()) from e
+                estimator.update(len(blob), fetch_s)
+            nxt: Decision | None = None
+            if i + 1 < len(ids):  # plan and start the next fetch now: it overlaps this chunk's decode or prefill
+                nxt = plan(i + 1, compute_seconds(cost_of(i), decision.option, controller.prefill_s_per_token, n_requests))
+                pending = pool.submit(timed_fetch, ids[i + 1], nxt.option) if nxt.option != TEXT else None
+            t = clock()
+            try:
+                part = on_text(chunk) if decision.option == TEXT else decode(blob, chunk, decision.option)
+            except Exception as e:
+                raise StreamFailure(i, chunk, e, result()) from e
+            records.append(ChunkRecord(
+                i, chunk, decision.option, decision.estimate_bps, decision.predicted_finish_s, decision.feasible,
+                len(blob), fetch_s, clock() - t, len(blob) / fetch_s if blob and fetch_s > 0 else None,
+            ))  # fmt: skip
+            parts.append(part)
+            if nxt is not None:
+                decision = nxt
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # after a failure, do not wait for an orphan fetch
+    return result()
+
+
+def unique_in_order(requests: Sequence[Sequence[C]]) -> list[C]:
+    """The distinct chunks of several requests, in order of first appearance."""
+    seen: dict[C, None] = {}
+    for chunks in requests:
+        for c in chunks:
+            seen.setdefault(c, None)
+    return list(seen)
+
+
+def stream_batch(
+    requests: Sequence[Sequence[C]],
+    costs: Mapping[C, ChunkCost] | Callable[[C], ChunkCost],
+    *,
+    fetch: Callable[[C, int], bytes],
+    decode: Callable[[bytes, C, int], T],
+    on_text: Callable[[C], T],
+    controller: Controller,
+    estimator: Estimator,
+    clock: Callable[[], float] = time.perf_counter,
+) -> BatchResult[T]:
+    """Stream the chunks of requests that arrived together as one stream; a shared chunk goes once.
+
+    The stream is :func:`unique_in_order` of ``requests`` (with prefix-chained chunk
+    keys, a chunk's predecessors in its request come before it), so each distinct chunk
+    gets one option and is fetched and decoded once, its part handed to every request
+    that asked for it. The controller plans over that whole stream: it counts the bytes of
+    every request, a shared chunk once, so the expected delay grows with the batch without
+    the ``n_requests`` scaling (which stands in for chunks it cannot see, and would count
+    these twice); ``plan.n_requests`` records the batch size. Failures raise
+    :class:`StreamFailure` whose ``partial`` follows the order of the shared stream.
+    """
+    order = unique_in_order(requests)
+    cost_of = costs if callable(costs) else costs.__getitem__
+    res = stream_chunks(order, cost_of, fetch=fetch, decode=decode, on_text=on_text, controller=controller,
+                        estimator=estimator, clock=clock)  # fmt: skip
+    part_of = dict(zip(order, res.parts))
+    plan = StreamPlan(res.plan.records, res.plan.seconds, res.plan.slo_s, len(requests))
+    return BatchResult([[part_of[c] for c in chunks] for chunks in requests], plan)

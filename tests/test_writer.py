@@ -1,0 +1,134 @@
+"""ChunkWriter and the manifest: a reader never sees a partially written chunk."""
+
+import threading
+import time
+
+import pytest
+
+from cachegen_core.chunks import blob_key
+from cachegen_core.engine import ChunkWriter, KVEngine
+from cachegen_core.errors import CacheGenFormatError
+from cachegen_core.manifest import Manifest, manifest_key
+from cachegen_core.stores.memory import MemoryStore
+from cachegen_core.testing import words
+
+CHUNK = 64
+
+
+class SlowWritesStore(MemoryStore):
+    """Writes one key at a time with a pause between them, recording the order; records reads of absent blobs."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.order: list[str] = []
+        self.missing_reads: list[str] = []
+
+    def put_many(self, items) -> None:
+        for k, v in items:
+            self.put(k, v)
+
+    def put(self, key, value) -> None:
+        time.sleep(self.delay_s)
+        self.order.append(key)
+        super().put(key, value)
+
+    def get(self, key):
+        value = super().get(key)
+        if value is None and not key.endswith("-M"):
+            self.missing_reads.append(key)
+        return value
+
+
+def test_manifest_is_written_after_every_blob_it_names(tiny_llama, tiny_tokenizer):
+    store = SlowWritesStore()
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, background=False)
+    prompt = words(21, 3 * CHUNK + 4)
+    e.generate(prompt, max_new_tokens=1)
+    for c in e.chunks(prompt):
+        m = Manifest.from_bytes(store.get(manifest_key(c.key)))
+        assert m.levels == e.store_levels
+        blobs = [store.order.index(blob_key(c.key, lv)) for lv in m.levels]
+        assert max(blobs) < store.order.index(manifest_key(c.key))
+        assert all(m.sizes[lv] == len(store.get(blob_key(c.key, lv))) for lv in m.levels)
+
+
+def test_a_reader_racing_the_writer_finds_every_level_the_manifest_names(tiny_llama, tiny_tokenizer, tiny_kv):
+    """While a slow writer stores chunks level by level, a reader polls: a chunk is absent, or whole."""
+    store = SlowWritesStore(delay_s=0.01)
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, background=True)
+    chunks = e.chunks(list(range(3, 3 + 4 * CHUNK)))
+    seen_partial, seen_whole, done = [], set(), threading.Event()
+
+    def reader() -> None:
+        while not done.is_set():
+            for c in chunks:
+                raw = store.get(manifest_key(c.key))
+                if raw is None:
+                    continue
+                for lv in Manifest.from_bytes(raw).levels:
+                    if store.get(blob_key(c.key, lv)) is None:
+                        seen_partial.append((c.index, lv))
+                seen_whole.add(c.index)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for c in chunks:
+        e.writer.submit(c, tiny_kv.slice(0, CHUNK))
+    assert e.flush(timeout=60)
+    done.set()
+    t.join()
+    assert seen_partial == [] and store.missing_reads == []
+    assert seen_whole == {0, 1, 2, 3}  # the reader did see the chunks once they were complete
+
+
+def test_engine_reading_while_the_writer_writes_never_misses_a_named_blob(tiny_llama, tiny_tokenizer):
+    """Requests racing the background writer (and an SLO that may pick any stored level) are answered
+    from whole chunks only: no fetch of a blob the manifest named fails."""
+    store = SlowWritesStore(delay_s=0.005)
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, level=0, background=True, slo_s=0.05)
+    prompt = words(22, 4 * CHUNK + 3)
+    infos = [e.generate(prompt, max_new_tokens=1)[1] for _ in range(6)]
+    assert e.flush(timeout=60)
+    infos.append(e.generate(prompt, max_new_tokens=1)[1])
+    assert store.missing_reads == []
+    assert all(i.errors == [] and i.cached_tokens % CHUNK == 0 for i in infos)
+    assert infos[-1].cached_tokens == 4 * CHUNK
+
+
+def test_writer_rejects_levels_the_codec_lacks(tiny_llama, tiny_tokenizer):
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, background=False)
+    with pytest.raises(ValueError, match="not in the codec"):
+        ChunkWriter(e.codec, MemoryStore(), [0, 9], background=False)
+    with pytest.raises(ValueError, match="at least one level"):
+        ChunkWriter(e.codec, MemoryStore(), [], background=False)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"\xff", "not valid JSON"),
+        (b"[]", "not a cachegen-manifest-v1"),
+        (b'{"format": "cachegen-manifest-v1", "options": {"x": 3}}', "unknown option"),
+        (b'{"format": "cachegen-manifest-v1", "options": {"1": -3}}', "bad size"),
+        (b'{"format": "cachegen-manifest-v1", "options": {"1": true}}', "bad size"),
+        (b"{" * 5000, "exceeds"),
+    ],
+)
+def test_bad_manifests_are_typed_errors(raw, message):
+    with pytest.raises(CacheGenFormatError, match=message):
+        Manifest.from_bytes(raw)
+
+
+def test_a_bad_manifest_is_a_reported_miss(tiny_llama, tiny_tokenizer):
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, background=False)
+    prompt = words(23, 2 * CHUNK + 1)
+    e.generate(prompt, max_new_tokens=1)
+    e.store.put(manifest_key(e.chunks(prompt)[1].key), b"garbage")
+    _, info = e.generate(prompt, max_new_tokens=1)
+    assert info.cached_tokens == CHUNK and "bad manifest for chunk 1" in info.errors[0]
+
+
+def test_manifest_round_trip():
+    m = Manifest({3: 10, 0: 99})
+    assert Manifest.from_bytes(m.to_bytes()) == m and m.levels == [0, 3] and 3 in m and 1 not in m
