@@ -148,3 +148,31 @@ def test_stop_strings_use_transformers_criterion_where_it_maps_the_tokenizer(tin
 
     tok = AutoTokenizer.from_pretrained(models.resolve_model(models.REFERENCE_MODEL), local_files_only=True)
     assert isinstance(stop_criterion(tok, ["\n\n", "Human:"], 3), StopStringCriteria)
+
+
+def test_model_cache_appends_in_place_into_spare_capacity(tiny_llama, tiny_tokenizer):
+    """A reused KV with spare capacity is handed to transformers as is: the question's and the answer's
+    tokens are written into it (no copy of the whole cache per forward), with the output of a plain run."""
+    from cachegen_core.engine import hf
+    from cachegen_core.kv import KVCache
+
+    ids = tiny_tokenizer(words(3, 300))["input_ids"]
+    buf = KVCache(torch.empty(3, 2, 400, 16), torch.empty(3, 2, 400, 16))
+    prefix = hf.prefill(tiny_llama, ids[:256])
+    buf.keys[:, :, :256], buf.values[:, :, :256] = prefix.keys, prefix.values
+    cache = hf.model_cache(tiny_llama, buf, 256)
+    assert type(cache.layers[0]).__name__ == "_InPlaceLayer" and cache.get_seq_length() == 256
+    with torch.no_grad():
+        out = tiny_llama.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=2)  # fmt: skip
+    text = tiny_tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    assert text == plain_greedy(tiny_llama, tiny_tokenizer, words(3, 300), 20)
+    assert cache.layers[0].keys.data_ptr() == buf.keys.data_ptr()  # still the caller's buffer
+    full = hf.prefill(tiny_llama, ids)
+    assert torch.equal(buf.keys[:, :, 256:300], full.keys[:, :, 256:300])  # the question's KV landed in place
+    small = KVCache(buf.keys[:, :, :257].clone(), buf.values[:, :, :257].clone())
+    cache = hf.model_cache(tiny_llama, small, 256)  # one spare slot: later tokens fall back to concatenation
+    with torch.no_grad():
+        out = tiny_llama.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=2)  # fmt: skip
+    assert tiny_tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True) == text

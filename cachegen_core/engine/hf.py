@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
-from ..kv import KVCache
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ..kv import KVCache, KVShapeError
 
 
 def kv_geometry(config: Any) -> tuple[int, int, int]:
@@ -25,12 +28,58 @@ def kv_geometry(config: Any) -> tuple[int, int, int]:
     return text.num_hidden_layers, heads, head_dim
 
 
-def model_cache(model: Any, kv: KVCache | None) -> Any:
-    """``kv`` as a transformers cache on the model's device and in its dtype (None stays None)."""
+def model_dtype(model: Any) -> torch.dtype:
+    """The dtype the model computes (and caches) in."""
+    return next(model.parameters()).dtype
+
+
+class _InPlaceLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values are views of a buffer with spare capacity.
+
+    transformers' ``DynamicLayer`` appends with ``torch.cat``, copying the whole cache of the
+    layer at every forward: for a long reused context that is the cost of the question's
+    prefill and of every generated token. Here new tokens are written into the buffer in
+    place; past its capacity the layer falls back to concatenating.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
+        super().__init__()
+        self._kbuf, self._vbuf = keys, values  # (1, heads, capacity, head_dim)
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        n, m = self.keys.shape[-2], key_states.shape[-2]
+        if self._kbuf is None or n + m > self._kbuf.shape[-2] or self.keys.data_ptr() != self._kbuf.data_ptr():
+            self._kbuf = self._vbuf = None  # out of room (or cropped and replaced): plain concatenation from now on
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._kbuf[:, :, n : n + m].copy_(key_states)
+        self._vbuf[:, :, n : n + m].copy_(value_states)
+        self.keys, self.values = self._kbuf[:, :, : n + m], self._vbuf[:, :, : n + m]
+        return self.keys, self.values
+
+
+def model_cache(model: Any, kv: KVCache | None, filled: int | None = None) -> Any:
+    """A transformers cache holding the first ``filled`` tokens of ``kv`` (default: all), for ``model``.
+
+    When ``kv`` is already in the model's dtype and on its device it is used in place, and
+    tokens the model appends are written into its spare capacity (``kv.num_tokens - filled``)
+    without copying the cache; otherwise it is converted first (a copy). ``None`` stays None.
+    """
     if kv is None:
         return None
-    dtype = next(model.parameters()).dtype
-    return kv.to(device=model.device, dtype=dtype).to_dynamic_cache(model.config)
+    filled = kv.num_tokens if filled is None else filled
+    if kv.dtype != model_dtype(model) or kv.keys.device != model.device:
+        kv = kv.slice(0, filled).to(device=model.device, dtype=model_dtype(model))
+    layers, heads, _, _ = kv.shape
+    n, want = kv_geometry(model.config)[:2]
+    if (layers, heads) != (n, want):
+        raise KVShapeError(f"model has {n} layers and {want} KV heads, the KV cache {layers} and {heads}")
+    cache = DynamicCache(config=model.config)
+    if len(cache.layers) != layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return kv.slice(0, filled).to_dynamic_cache(model.config)  # sliding-window or other layer types: the plain way
+    cache.layers = [_InPlaceLayer(kv.keys[i : i + 1], kv.values[i : i + 1], filled) for i in range(layers)]
+    return cache
 
 
 @torch.no_grad()
