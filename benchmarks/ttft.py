@@ -98,7 +98,7 @@ def simulate(w: Workload, link: Link, policy: str, slo_s: float | None, levels: 
             opt = int(policy.rsplit("-", 1)[1])
         else:
             # planned when the link is free, as stream_chunks does, with the compute stage busy until `ready`
-            opt = choose(w.costs[i:], levels=levels, elapsed_s=fetch_t, slo_s=slo_s, bandwidth=est.estimate(),
+            opt = choose(w.costs[i:], options=levels, elapsed_s=fetch_t, slo_s=slo_s, bandwidth=est.estimate(),
                          prefill_s_per_token=w.prefill_s_per_token, busy_s=max(ready - fetch_t, 0.0)).option  # fmt: skip
         options.append(opt)
         if opt == TEXT:

@@ -20,7 +20,8 @@ def plain_greedy(model, tok, prompt, n=10):
 
 @pytest.fixture
 def engine(tiny_llama, tiny_tokenizer):
-    return KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, background=False)
+    # level 0 only: these tests follow the compression codec (raw forms have their own tests)
+    return KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, store_options=[0], background=False)
 
 
 def test_second_call_hits_every_complete_chunk_and_matches_plain_model(engine, tiny_llama, tiny_tokenizer):
@@ -99,7 +100,7 @@ def test_foreign_blob_planted_under_a_key_is_rejected(engine, tiny_llama, tiny_t
 
 
 def test_background_store_and_flush(tiny_llama, tiny_tokenizer):
-    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=1, background=True)
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=1, store_options=[1], background=True)
     prompt = words(9, 2 * CHUNK + 1)
     e.generate(prompt, max_new_tokens=2)
     assert e.flush(timeout=60)

@@ -26,7 +26,8 @@ class SlowCountingStore(MemoryStore):
 
 
 def engine(model, tok, store, **kw):
-    return KVEngine(model, tok, store=store, chunk_tokens=CHUNK, level=0, background=False, **kw)
+    """Every level stored, no raw form: the controller's choice among levels and text is what these tests follow."""
+    return KVEngine(model, tok, store=store, chunk_tokens=CHUNK, level=0, store_options=[0, 1, 2, 3], background=False, **kw)
 
 
 def test_no_slo_fetches_the_configured_level(tiny_llama, tiny_tokenizer):
@@ -56,7 +57,7 @@ def test_slo_first_chunk_uses_the_medium_level(tiny_llama, tiny_tokenizer):
     prompt = words(3, 2 * CHUNK + 1)
     e.generate(prompt, max_new_tokens=2)
     _, info = e.generate(prompt, max_new_tokens=2)
-    assert info.stream[0]["option"] == e.stream_levels[len(e.stream_levels) // 2]
+    assert info.stream[0]["option"] == e.stream_options[len(e.stream_options) // 2]
     assert info.stream[1]["option"] == 0  # a fast link: the best level fits
 
 

@@ -142,11 +142,11 @@ def test_chat_from_model_id_takes_the_llm_options(tiny_llama, tiny_tokenizer, tm
     tiny_llama.save_pretrained(tmp_path / "m")
     tiny_tokenizer.save_pretrained(tmp_path / "m")
     chat = ChatCacheGen.from_model_id(tmp_path / "m", store=MemoryStore(), chunk_tokens=CHUNK, level=1, background=False,
-                                      generation_kwargs={"max_new_tokens": 3}, engine_kwargs={"store_levels": [1, 2]},
+                                      generation_kwargs={"max_new_tokens": 3}, engine_kwargs={"store_options": [1, 2]},
                                       max_tokens=2, stop=["w9"])  # fmt: skip
     assert isinstance(chat.llm, CacheGenLLM) and chat.llm.model_id == str(tmp_path / "m")
     assert chat.llm.generation_kwargs == {"max_new_tokens": 3}
-    assert (chat.engine.level, chat.engine.chunk_tokens, chat.engine.store_levels) == (1, CHUNK, [1, 2])
+    assert (chat.engine.level, chat.engine.chunk_tokens, chat.engine.store_options) == (1, CHUNK, [1, 2])
     assert (chat.max_tokens, chat.stop) == (2, ["w9"])
     assert chat.invoke([HumanMessage(words(56, 10))]).usage_metadata["output_tokens"] <= 2
 

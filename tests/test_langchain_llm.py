@@ -12,7 +12,8 @@ CHUNK = 32
 
 @pytest.fixture
 def llm(tiny_llama, tiny_tokenizer):
-    engine = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, background=False)
+    # one stored option: every warm call streams the same KV (the adaptive choice has its own tests)
+    engine = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, store_options=[0], background=False)
     return CacheGenLLM(engine=engine, model_id="tiny", generation_kwargs={"max_new_tokens": 8})
 
 

@@ -1,0 +1,115 @@
+"""Raw KV blobs (the ``raw`` and ``lossless`` options): round trips, typed errors, and the engine's
+exactness promise (``level="lossless"`` answers exactly as without a cache)."""
+
+import pytest
+import torch
+
+from cachegen_core.chunks import blob_key
+from cachegen_core.engine import KVEngine
+from cachegen_core.errors import CacheGenFormatError
+from cachegen_core.kv import KVCache
+from cachegen_core.raw import RawCodec, raw_dtype
+from cachegen_core.stores.memory import MemoryStore
+from cachegen_core.testing import make_tiny_llama, words
+
+CHUNK = 32
+
+
+def test_lossless_is_bit_exact_and_raw_is_16_bit(tiny_kv):
+    rc = RawCodec("fp")
+    exact = rc.decode(rc.encode(tiny_kv, "lossless"), "lossless")
+    assert exact.dtype == torch.float32 and torch.equal(exact.keys, tiny_kv.keys) and torch.equal(exact.values, tiny_kv.values)
+    half = rc.decode(rc.encode(tiny_kv, "raw"), "raw")
+    assert half.dtype == torch.float16 and torch.equal(half.keys, tiny_kv.keys.half())
+    out = KVCache(torch.empty(tiny_kv.shape), torch.empty(tiny_kv.shape))
+    assert rc.decode(rc.encode(tiny_kv, "raw"), "raw", out=out) is out and torch.equal(out.values, tiny_kv.values.half().float())
+    bf = KVCache(tiny_kv.keys.bfloat16(), tiny_kv.values.bfloat16())
+    assert raw_dtype(bf) == torch.bfloat16 and torch.equal(rc.decode(rc.encode(bf, "raw"), "raw").keys, bf.keys)
+    big = KVCache(tiny_kv.keys * 1e5, tiny_kv.values)
+    assert raw_dtype(big) == torch.bfloat16  # beyond float16's range: never an inf
+
+
+def test_every_byte_flip_and_truncation_is_a_format_error(tiny_kv):
+    rc = RawCodec("fp")
+    blob = rc.encode(tiny_kv.slice(0, 5), "raw")
+    for i in range(0, len(blob), max(1, len(blob) // 300)):
+        bad = bytearray(blob)
+        bad[i] ^= 0x5A
+        with pytest.raises(CacheGenFormatError):
+            rc.decode(bytes(bad), "raw")
+    for n in (0, 10, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(CacheGenFormatError):
+            rc.decode(blob[:n], "raw")
+
+
+def test_foreign_or_mislabelled_raw_blobs_are_rejected(tiny_kv):
+    blob = RawCodec("fp-a").encode(tiny_kv, "raw")
+    with pytest.raises(CacheGenFormatError, match="another model"):
+        RawCodec("fp-b").decode(blob, "raw")
+    with pytest.raises(CacheGenFormatError, match="expected 'lossless'"):
+        RawCodec("fp-a").decode(blob, "lossless")
+    out = KVCache(torch.empty(3, 2, 7, 16), torch.empty(3, 2, 7, 16))
+    with pytest.raises(Exception, match="does not fit"):
+        RawCodec("fp-a").decode(blob, "raw", out=out)
+    with pytest.raises(ValueError, match="not a raw option"):
+        RawCodec().encode(tiny_kv, "level")
+
+
+def test_level_lossless_answers_exactly_as_without_a_cache(tiny_llama, tiny_tokenizer):
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level="lossless", background=False)
+    assert e.store_options == ["lossless"]
+    for seed in range(4):  # prompts where a lossy KV flips the tiny model's greedy answer are caught too
+        prompt = words(40 + seed, 3 * CHUNK + 7)
+        cold, _ = e.generate(prompt, max_new_tokens=12)
+        warm, info = e.generate(prompt, max_new_tokens=12)
+        assert info.cached_tokens == 3 * CHUNK and set(info.levels) <= {"lossless", "text"}
+        ids = torch.tensor([tiny_tokenizer(prompt)["input_ids"]])
+        plain = tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=2)
+        assert warm == cold == tiny_tokenizer.decode(plain[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_a_corrupted_raw_blob_is_recomputed(tiny_llama, tiny_tokenizer):
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level="raw", background=False)
+    prompt = words(50, 3 * CHUNK + 2)
+    e.generate(prompt, max_new_tokens=4)
+    key = blob_key(e.chunks(prompt)[1].key, "raw")
+    blob = bytearray(e.store.get(key))
+    blob[-3] ^= 0xFF
+    e.store.put(key, bytes(blob))
+    _, info = e.generate(prompt, max_new_tokens=4)
+    assert info.cached_tokens == CHUNK and "bad blob for chunk 1" in info.errors[0]
+
+
+def test_the_next_request_finds_the_raw_form_before_the_levels_are_written(tiny_llama, tiny_tokenizer):
+    """The background writer stores every queued chunk's raw form before any chunk's levels."""
+    import threading
+
+    gate = threading.Event()
+
+    class SlowLevels(MemoryStore):
+        def put_many(self, items):
+            items = list(items)
+            if any(not k.endswith(("-Lraw", "-Llossless")) for k, _ in items):
+                gate.wait(30)  # levels wait until the second request has been answered
+            super().put_many(items)
+
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=SlowLevels(), chunk_tokens=CHUNK, level=1, background=True)
+    prompt = words(51, 4 * CHUNK + 3)
+    e.generate(prompt, max_new_tokens=2)
+    for _ in range(500):  # the raw stage of all four chunks lands quickly
+        _, info = e.generate(prompt, max_new_tokens=2)
+        if info.cached_tokens == 4 * CHUNK:
+            break
+    gate.set()
+    assert info.cached_tokens == 4 * CHUNK and set(info.levels) <= {"raw", "text"}
+    assert e.flush(timeout=60) and e.store_stats["failed"] == 0
+    from cachegen_core.manifest import Manifest, manifest_key
+
+    for c in e.chunks(prompt):  # and afterwards every chunk is complete: raw form and levels
+        assert Manifest.from_bytes(e.store.get(manifest_key(c.key))).options == ["raw", 1, 3]
+
+
+def test_a_model_in_float16_stores_its_exact_kv_by_default(tiny_tokenizer):
+    model = make_tiny_llama(dtype=torch.float16)
+    e = KVEngine(model, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, background=False)
+    assert e.store_options[0] == "lossless"
