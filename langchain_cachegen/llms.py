@@ -49,20 +49,27 @@ class CacheGenLLM(BaseLLM):
         model_id: str | Path = DEFAULT_MODEL,
         *,
         store: KVStore | None = None,
-        level: int | None = None,
+        level: int | str | None = None,
         chunk_tokens: int = 1536,
         profile: Any = "auto",
         background: bool = True,
         slo_s: float | None = None,
         estimator: str = "harmonic",
+        device: str | int | None = None,
+        device_map: str | dict[str, Any] | None = None,
+        dtype: Any = None,
+        model_kwargs: dict[str, Any] | None = None,
         generation_kwargs: dict[str, Any] | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> CacheGenLLM:
-        """Load a local transformers directory, a ``.gguf`` file or the bundled reference model by short name.
+        """Load a local transformers directory, a ``.gguf`` file, a model id of the local Hugging Face cache
+        or the bundled reference model by short name; nothing is downloaded.
 
-        The keyword-only options configure the engine (``engine_kwargs`` holds the
-        rarer ones of ``KVEngine.from_pretrained``); ``kwargs`` set this class's fields.
+        ``device`` (``"cuda"``, ``"cpu"``, or ``-1``/``n`` as in ``HuggingFacePipeline``),
+        ``device_map``, ``dtype`` and ``model_kwargs`` place and load the model. The other
+        keyword-only options configure the engine (``engine_kwargs`` holds the rarer ones of
+        ``KVEngine.from_pretrained``); ``kwargs`` set this class's fields.
         """
         engine = KVEngine.from_pretrained(
             model_id,
@@ -73,6 +80,10 @@ class CacheGenLLM(BaseLLM):
             background=background,
             slo_s=slo_s,
             estimator=estimator,
+            device=device,
+            device_map=device_map,
+            dtype=dtype,
+            model_kwargs=model_kwargs,
             **(engine_kwargs or {}),
         )
         gen = {"max_new_tokens": 256, **(generation_kwargs or {})}

@@ -177,3 +177,20 @@ def test_model_cache_appends_in_place_into_spare_capacity(tiny_llama, tiny_token
         out = tiny_llama.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                   past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=2)  # fmt: skip
     assert tiny_tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True) == text
+
+
+def test_levels_decode_where_the_model_is_when_the_coder_can_and_on_the_cpu_otherwise(engine, monkeypatch):
+    """A model on a GPU gets its chunks decoded there when the coder has a decoder that runs; the reason is
+    said when it has not (here: no GPU)."""
+    from cachegen_core.coders import registry
+
+    assert engine.reader.decode_device.type == "cpu" and engine.reader.use_device(torch.device("cpu")) is None
+    why = engine.reader.use_device(torch.device("cuda"))
+    assert engine.reader.decode_device.type == "cpu" and why  # no GPU or nvcc here: the reason is given
+
+    class FakeGpuDecoder:  # what a working GPU decoder looks like to the reader
+        def __init__(self, device):
+            self.device = device
+
+    monkeypatch.setitem(registry.DEVICE_DECODERS, (engine.codec.coder.name, "cuda"), FakeGpuDecoder)
+    assert engine.reader.use_device(torch.device("cuda")) is None and engine.reader.decode_device.type == "cuda"

@@ -102,6 +102,9 @@ class KVEngine:
         raw = RawCodec(self.fingerprint, limits=self.codec.limits, max_tokens=self.codec.max_tokens)
         self.writer = ChunkWriter(self.codec, store, self.store_options, raw=raw, background=background, queue_size=queue_size)
         self.reader = ChunkReader(self.codec, store, self.kv_geometry, self.cost_model, self.writer.health, raw=raw)
+        why = self.reader.use_device(model.device)
+        if why is not None:
+            log.warning("the model is on %s but chunks decode on the CPU: %s", model.device, why)
         self._lock = threading.Lock()  # one model call at a time
 
     @classmethod
@@ -113,18 +116,25 @@ class KVEngine:
         store: KVStore | None = None,
         profile: Profile | str | Path | None = "auto",
         config: CodecConfig | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: str | int | torch.device | None = None,
+        device_map: str | dict[str, Any] | None = None,
+        model_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> KVEngine:
-        """Load a model (local dir, ``.gguf`` file, or the bundled reference model's short name) and build an engine.
+        """Load a model (local dir, ``.gguf`` file, a model id of the local Hugging Face cache, or the
+        bundled reference model's short name) and build an engine.
 
-        ``profile="auto"`` uses the profile stored beside the model in the user cache
-        when there is one for this codec configuration, else chunks carry their own tables.
+        ``dtype``, ``device``, ``device_map`` and ``model_kwargs`` go to ``models.load_model`` (the
+        CPU by default). ``profile="auto"`` uses the profile stored beside the model in the user
+        cache when there is one for this codec configuration, else chunks carry their own tables.
         """
         if isinstance(path_or_model, (str, Path)):
             from ..models import load_model  # noqa: PLC0415
 
-            model, tok = load_model(path_or_model, dtype=dtype)
+            if device is None and device_map is None:
+                device = "cpu"
+            model, tok = load_model(path_or_model, dtype=dtype, device=device, device_map=device_map, model_kwargs=model_kwargs)
             tokenizer = tokenizer or tok
         else:
             model = path_or_model

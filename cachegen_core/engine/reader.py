@@ -16,9 +16,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from ..chunks import Chunk, blob_key
 from ..codec import KVCodec
-from ..errors import BlobMissing, CacheGenFormatError, StoreError
+from ..errors import BackendUnavailable, BlobMissing, CacheGenFormatError, StoreError
 from ..kv import KVCache, KVShapeError
 from ..manifest import Manifest, manifest_key
 from ..raw import RawCodec
@@ -50,9 +52,26 @@ class ChunkReader:
         self.codec = codec
         self.raw = raw or RawCodec(codec.fingerprint)
         self.store = store
+        self.decode_device = torch.device("cpu")  # where levels are entropy-decoded (see ``use_device``)
         self.geometry = geometry
         self.cost_model = cost_model
         self.health = health
+
+    def use_device(self, device: torch.device) -> str | None:
+        """Decode levels on ``device`` (the model's) when the codec's coder has a decoder there that can
+        run; else on the CPU (then copied to it). Returns why not, or None when it is used."""
+        from ..coders import get_decoder  # noqa: PLC0415
+
+        if device.type == "cpu":
+            self.decode_device = device
+            return None
+        try:
+            get_decoder(self.codec.coder.name, device)
+        except (BackendUnavailable, KeyError) as e:
+            self.decode_device = torch.device("cpu")
+            return str(e)
+        self.decode_device = device
+        return None
 
     def trouble(self, info: GenerationInfo, msg: str) -> None:
         """A store failure: in the request's errors always, in the log once until the store recovers."""
@@ -102,7 +121,7 @@ class ChunkReader:
             except KVShapeError as e:
                 raise CacheGenFormatError(f"chunk {key[:12]}: {e}") from None
         else:
-            kv = self.codec.decode(blob, level=option)  # type: ignore[arg-type]
+            kv = self.codec.decode(blob, level=option, device=self.decode_device)  # type: ignore[arg-type]
         if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != self.geometry:  # checksums say nothing of a forged shape
             raise CacheGenFormatError(f"chunk {key[:12]} decoded to KV of shape {kv.shape}, the model's is "
                                       f"(layers, kv heads, head dim) = {self.geometry}")  # fmt: skip
