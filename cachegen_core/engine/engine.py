@@ -53,9 +53,9 @@ class KVEngine:
     predicted to finish the prompt's chunks first among those at least as fine as ``level``
     (or prefilled as text); with ``slo_s`` (seconds to fetch and decode them) the controller
     picks, chunk by chunk, the finest stored option that meets the deadline at the bandwidth
-    measured by ``estimator`` (``"harmonic"`` or ``"last"``), or text. ``background``: store new
-    chunks in a worker thread (True) or inline before returning (False, deterministic for
-    scripts and tests).
+    measured by ``estimator`` (``"harmonic"`` or ``"last"``), or text (``allow_text=False``: a
+    cached chunk is never recomputed instead). ``background``: store new chunks in a worker
+    thread (True) or inline before returning (False, deterministic for scripts and tests).
     """
 
     def __init__(
@@ -73,6 +73,7 @@ class KVEngine:
         add_special_tokens: bool = True,
         slo_s: float | None = None,
         estimator: str = "harmonic",
+        allow_text: bool = True,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
@@ -95,6 +96,7 @@ class KVEngine:
             raise ValueError(f"store_options {self.store_options} hold nothing as fine as level {self.level!r}")
         self.add_special_tokens = add_special_tokens
         self.slo_s = slo_s
+        self.allow_text = allow_text
         self.estimator_name = estimator
         self.estimator = make_estimator(estimator)
         self.kv_geometry = hf.kv_geometry(model.config)
@@ -258,7 +260,8 @@ class KVEngine:
         all_chunks = [self.chunks(ids) for ids in all_ids]
         for ids, info in zip(all_ids, infos):
             info.prompt_tokens = len(ids)
-        controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token, floor=self.level)
+        controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token,
+                                allow_text=self.allow_text, floor=self.level)  # fmt: skip
         covered = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
                                      estimator=self.estimator, prefill=self._prefill)  # fmt: skip
         out = []

@@ -78,9 +78,9 @@ class ChunkReader:
         info.errors.append(msg)
         self.health.failed(msg)
 
-    def lookup(self, chunks: Sequence[Chunk], floor: Option, info: GenerationInfo) -> list[Manifest]:
-        """Manifests of the longest run of leading chunks stored in some option at least as fine as
-        ``floor`` (one store request)."""
+    def lookup(self, chunks: Sequence[Chunk], floor: Option, info: GenerationInfo, options: Sequence[Option] | None = None) -> list[Manifest]:
+        """Manifests of the longest run of leading chunks stored in some option (of ``options``, default
+        any) at least as fine as ``floor`` (one store request)."""
         if not chunks:
             return []
         try:
@@ -99,7 +99,7 @@ class ChunkReader:
             except CacheGenFormatError as e:
                 report(info, f"bad manifest for chunk {c.index}, recomputing from there: {e}")
                 break
-            if not any(rank(o) <= rank(floor) for o in manifest.options):
+            if not any(rank(o) <= rank(floor) and (options is None or o in options) for o in manifest.options):
                 break
             run.append(manifest)
         return run
@@ -169,7 +169,7 @@ class ChunkReader:
         """
         runs, manifests, owner = [], {}, {}
         for p, ((ids, chunks, _), info) in enumerate(zip(prompts, infos)):
-            found = self.lookup(chunks, floor, info)
+            found = self.lookup(chunks, floor, info, controller.options)
             runs.append(chunks[: len(found)])
             for c, m in zip(chunks, found):
                 manifests[c.key] = m

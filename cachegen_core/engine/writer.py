@@ -4,11 +4,12 @@ It owns what writing needs and nothing of the engine: the codecs, the store, the
 kept, an optional background worker (a daemon thread with a bounded queue, so storing is
 off the request's path), and the store's health (a failing store is logged once, not per
 chunk, until it recovers). A chunk is written in two stages: its raw forms (cheap: a
-copy and a checksum) with a manifest naming them, then its compression levels with a
-manifest naming everything; the worker runs every queued chunk's first stage before any
-second stage, so the next request finds the chunks of the previous one even while levels
-are still being encoded. Each manifest goes after the blobs it names (see ``manifest.py``),
-so a reader never sees a partially written chunk.
+conversion and a checksum) with a manifest naming them, then its compression levels with a
+manifest naming everything. On a local store (``store.local``: memory, disk) the first
+stage is written before the request answers, so the next request finds its chunks; on a
+remote one the worker runs every queued chunk's first stage before any later stage. Each
+manifest goes after the blobs it names (see ``manifest.py``), so a reader never sees a
+partially written chunk.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ class StoreHealth:
 class ChunkWriter:
     """Writes chunks (every option of ``options``: levels of ``codec``, raw forms of ``raw``) into ``store``.
 
-    ``background``: queue chunks for a worker thread (``submit`` returns at once;
-    ``flush`` waits) instead of writing them in ``submit``. ``queue_size`` bounds the
-    queue: when it is full a chunk is dropped (counted in ``stats``, logged once).
+    ``background``: queue chunks for a worker thread (``submit`` returns at once, after the
+    first stage on a local store; ``flush`` waits) instead of writing them in ``submit``.
+    ``queue_size`` bounds the queue: when it is full a chunk is dropped (counted in
+    ``stats``, logged once). ``first_stage_now``: write the first stage in ``submit``
+    (default: when the store is local).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class ChunkWriter:
         background: bool = True,
         queue_size: int = 64,
         health: StoreHealth | None = None,
+        first_stage_now: bool | None = None,
     ) -> None:
         if not options:
             raise ValueError("a writer needs at least one option to store")
@@ -80,6 +84,7 @@ class ChunkWriter:
         self.store = store
         self.options = list(dict.fromkeys(options))
         self.health = health or StoreHealth()
+        self.first_stage_now = first_stage_now
         self._worker = _Worker(self, queue_size) if background else None
         if self._worker is not None:
             atexit.register(_flush_at_exit, weakref.ref(self))
@@ -109,11 +114,21 @@ class ChunkWriter:
         return manifest
 
     def submit(self, chunk: Chunk, kv: KVCache) -> bool:
-        """Queue the chunk for the worker (False: the queue is full, dropped), or write it now without one."""
+        """Queue the chunk for the worker (False: the queue is full, dropped), or write it now without one;
+        on a local store its first stage is written now either way. Raises what ``write`` raises."""
         if self._worker is None:
             self.write(chunk, kv)
             return True
-        return self._worker.submit(chunk, kv)
+        stages = self.stages
+        cheap = all(o in RAW_OPTIONS for o in stages[0])  # a conversion and a checksum, no entropy coding
+        now = self.first_stage_now if self.first_stage_now is not None else cheap and getattr(self.store, "local", False)
+        if not now:
+            return self._worker.submit(chunk, kv, 0, None)
+        manifest = self.write(chunk, kv, 0)
+        if len(stages) == 1:
+            self._worker.written += 1
+            return True
+        return self._worker.submit(chunk, kv, 1, manifest)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued chunk is written (or failed); False if ``timeout`` passed first."""
@@ -136,17 +151,18 @@ class _Worker:
 
     def __init__(self, writer: ChunkWriter, maxsize: int) -> None:
         self._writer = weakref.proxy(writer)
-        self.queue: queue.Queue[tuple[Chunk, KVCache] | None] = queue.Queue(maxsize=maxsize)
-        self._later: deque[tuple[Chunk, KVCache, Manifest]] = deque()  # chunks with later stages to write
+        self.queue: queue.Queue[tuple[Chunk, KVCache, int, Manifest | None] | None] = queue.Queue(maxsize=maxsize)
+        self._later: deque[tuple[Chunk, KVCache, Manifest | None, int]] = deque()  # chunks with later stages to write
         self.dropped = self.failed = self.written = 0
         self._full = False  # dropping chunks since the queue last had room (logged once)
         self._stopping = False  # at exit: finish the write in hand, start no other
         self._thread = threading.Thread(target=self._run, name="cachegen-store", daemon=True)
         self._thread.start()
 
-    def submit(self, chunk: Chunk, kv: KVCache) -> bool:
+    def submit(self, chunk: Chunk, kv: KVCache, stage: int, manifest: Manifest | None) -> bool:
+        """Queue stages ``stage`` on of a chunk (``manifest``: what earlier stages wrote)."""
         try:
-            self.queue.put_nowait((chunk, kv))
+            self.queue.put_nowait((chunk, kv, stage, manifest))
             self._full = False
             return True
         except queue.Full:
@@ -171,8 +187,13 @@ class _Worker:
             try:
                 if item is None:
                     return
-                chunk, kv = item
-                self._write(chunk, kv, self._writer.stages)
+                chunk, kv, stage, manifest = item
+                if stage == 0:
+                    self._write(chunk, kv, self._writer.stages)
+                else:  # a later stage waits for every new chunk's first stage
+                    with self.queue.mutex:
+                        self.queue.unfinished_tasks += 1
+                    self._later.append((chunk, kv, manifest, stage))
             except ReferenceError:
                 return self._dropped_writer()
             finally:
@@ -185,7 +206,7 @@ class _Worker:
             if len(stages) > 1:
                 with self.queue.mutex:  # flush() waits for the later stages too
                     self.queue.unfinished_tasks += 1
-                self._later.append((chunk, kv, manifest))
+                self._later.append((chunk, kv, manifest, 1))
             else:
                 self.written += 1
         except ReferenceError:
@@ -197,9 +218,9 @@ class _Worker:
             log.warning("storing chunk failed: %s", e)
 
     def _later_stage(self) -> None:
-        chunk, kv, manifest = self._later.popleft()
+        chunk, kv, manifest, first = self._later.popleft()
         try:
-            for stage in range(1, len(self._writer.stages)):
+            for stage in range(first, len(self._writer.stages)):
                 manifest = self._writer.write(chunk, kv, stage, before=manifest)
             self.written += 1
         except ReferenceError:

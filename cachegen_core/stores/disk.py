@@ -92,6 +92,8 @@ class DiskCacheStore(BaseKVStore):
     Extra keyword arguments are diskcache settings (e.g. ``eviction_policy``).
     """
 
+    local = True
+
     def __init__(
         self,
         directory: str | os.PathLike[str] | None = None,

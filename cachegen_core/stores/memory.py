@@ -17,6 +17,8 @@ class MemoryStore(BaseKVStore):
     than ``max_bytes`` is refused with ``StoreError``.
     """
 
+    local = True
+
     def __init__(
         self,
         max_bytes: int | None = None,
