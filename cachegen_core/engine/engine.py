@@ -29,6 +29,7 @@ from ..errors import CacheGenError, StoreError
 from ..fingerprint import model_fingerprint
 from ..kv import KVCache
 from ..profile import Profile
+from ..settings import engine_options, resolve_store
 from ..stores.base import KVStore
 from ..streaming import Controller, make_estimator
 from . import hf
@@ -77,10 +78,7 @@ class KVEngine:
         self.codec = codec or KVCodec(fingerprint=self.fingerprint)
         if not self.codec.fingerprint:
             self.codec.fingerprint = self.fingerprint
-        if store is None:
-            from ..stores.disk import DiskCacheStore  # noqa: PLC0415
-
-            store = DiskCacheStore()
+        store = resolve_store(store)  # CACHEGEN_STORE when None; signed when CACHEGEN_HMAC_KEY is set
         self.chunk_tokens = chunk_tokens
         self.level = self.codec.config.default_level if level is None else level
         if self.level not in self.codec.levels:
@@ -114,6 +112,8 @@ class KVEngine:
 
         ``profile="auto"`` uses the profile stored beside the model in the user cache
         when there is one for this codec configuration, else chunks carry their own tables.
+        ``CACHEGEN_*`` settings (``docs/configuration.md``) fill the arguments not given (or None);
+        ``decode_limits=DecodeLimits(...)`` tightens what a stored blob may make the decoder allocate.
         """
         if isinstance(path_or_model, (str, Path)):
             from ..models import load_model  # noqa: PLC0415
@@ -125,6 +125,7 @@ class KVEngine:
             if tokenizer is None:
                 raise ValueError("pass tokenizer= with a model object")
         fp = model_fingerprint(model, tokenizer)
+        kwargs, limits = engine_options(kwargs)  # CACHEGEN_* settings fill what is not given
         config = config or CodecConfig()
         if profile == "auto":
             from ..profile import find_profile  # noqa: PLC0415
@@ -132,7 +133,7 @@ class KVEngine:
             profile = find_profile(fp, config)
         elif isinstance(profile, (str, Path)):
             profile = Profile.load(profile)
-        return cls(model, tokenizer, KVCodec(config, profile, fingerprint=fp), store, **kwargs)
+        return cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
 
     @property
     def store(self) -> KVStore:
@@ -141,7 +142,7 @@ class KVEngine:
 
     @store.setter
     def store(self, store: KVStore) -> None:
-        self.writer.store = self.reader.store = store
+        self.writer.store = self.reader.store = resolve_store(store)
 
     # ------------------------------------------------------------ the four operations
     def tokenize(self, text: str) -> list[int]:
