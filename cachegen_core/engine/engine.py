@@ -28,7 +28,9 @@ from ..config import CodecConfig
 from ..errors import CacheGenError, StoreError
 from ..fingerprint import model_fingerprint
 from ..kv import KVCache
+from ..metrics import EngineMetrics, MetricsRecorder, engine_metrics
 from ..profile import Profile
+from ..progress import progress_bar
 from ..settings import engine_options, resolve_store
 from ..stores.base import KVStore
 from ..streaming import Controller, make_estimator
@@ -51,7 +53,8 @@ class KVEngine:
     picks, chunk by chunk, ``level`` or a coarser stored level, or sends the chunk as
     text to be prefilled, from the bandwidth measured by ``estimator`` (``"harmonic"``
     or ``"last"``). ``background``: store new chunks in a worker thread (True) or inline
-    before returning (False, deterministic for scripts and tests).
+    before returning (False, deterministic for scripts and tests). ``progress``: a bar on
+    stderr while ``store_kv`` encodes chunks (on a terminal only; None: ``CACHEGEN_PROGRESS``).
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class KVEngine:
         add_special_tokens: bool = True,
         slo_s: float | None = None,
         estimator: str = "harmonic",
+        progress: bool | None = None,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
@@ -95,6 +99,8 @@ class KVEngine:
         self.writer = ChunkWriter(self.codec, store, self.store_levels, background=background, queue_size=queue_size)
         self.reader = ChunkReader(self.codec, store, self.kv_geometry, self.cost_model, self.writer.health)
         self._lock = threading.Lock()  # one model call at a time
+        self.progress = progress  # progress bar on store_kv (None: CACHEGEN_PROGRESS, else on a terminal)
+        self.metrics_recorder = MetricsRecorder()
 
     @classmethod
     def from_pretrained(
@@ -172,7 +178,7 @@ class KVEngine:
         if not chunks:
             return []
         kv = self.calculate_kv(self._ids(context)[: chunks[-1].end])
-        for c in chunks:
+        for c in progress_bar(chunks, self.progress, desc="encoding KV chunks", unit="chunk"):
             self.writer.write(c, kv.slice(c.start, c.end))
         return [c.key for c in chunks]
 
@@ -241,6 +247,7 @@ class KVEngine:
             text, cache = self._generate_ids(ids, kv, start, info, generation_kwargs, streamer=streamer)
             self._store_new_chunks(chunks, kv, cache, info)
             info.total_s = time.perf_counter() - start
+            self.metrics_recorder.record(info, self)
             out.append((text, info))
         return out
 
@@ -297,6 +304,10 @@ class KVEngine:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued chunks to be stored; False if ``timeout`` passed first."""
         return self.writer.flush(timeout)
+
+    def metrics(self) -> EngineMetrics:
+        """What this engine's requests did so far: hits, tokens reused, bytes, seconds (``cachegen_core.metrics``)."""
+        return engine_metrics(self)
 
     @property
     def store_stats(self) -> dict[str, int]:
