@@ -119,3 +119,17 @@ def test_describe_hides_passwords():
     assert describe("rediss://app1:p@ss@host:6380/0") == "rediss://app1:***@host:6380/0"
     assert describe("redis://:pw@h/0") == "redis://:***@h/0"
     assert describe("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_from_model_id_takes_the_chunk_size_from_the_environment(monkeypatch, tmp_path, tiny_llama, tiny_tokenizer):
+    from langchain_cachegen import CacheGenLLM
+
+    tiny_llama.save_pretrained(tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    monkeypatch.setenv("CACHEGEN_CHUNK_TOKENS", "48")
+    monkeypatch.setenv("CACHEGEN_STORE", "memory")
+    llm = CacheGenLLM.from_model_id(tmp_path / "m", profile=None, background=False)
+    assert llm.engine.chunk_tokens == 48 and isinstance(llm.engine.store, MemoryStore)
+    assert CacheGenLLM.from_model_id(tmp_path / "m", profile=None, chunk_tokens=96).engine.chunk_tokens == 96
+    monkeypatch.delenv("CACHEGEN_CHUNK_TOKENS")
+    assert CacheGenLLM.from_model_id(tmp_path / "m", profile=None).engine.chunk_tokens == 1536
