@@ -50,7 +50,7 @@ class CacheGenLLM(BaseLLM):
         *,
         store: KVStore | None = None,
         level: int | str | None = None,
-        chunk_tokens: int = 1536,
+        chunk_tokens: int | None = None,  # None: CACHEGEN_CHUNK_TOKENS, else the engine default (1536)
         profile: Any = "auto",
         background: bool = True,
         slo_s: float | None = None,

@@ -28,7 +28,10 @@ from ..config import CodecConfig
 from ..errors import CacheGenError, StoreError
 from ..fingerprint import model_fingerprint
 from ..kv import KVCache
+from ..metrics import EngineMetrics, MetricsRecorder, engine_metrics
 from ..profile import Profile
+from ..progress import progress_bar
+from ..settings import engine_options, resolve_store
 from ..stores.base import KVStore
 from ..raw import RawCodec
 from ..streaming import LOSSLESS, RAW, RAW_OPTIONS, Controller, Option, make_estimator, rank
@@ -55,7 +58,8 @@ class KVEngine:
     picks, chunk by chunk, the finest stored option that meets the deadline at the bandwidth
     measured by ``estimator`` (``"harmonic"`` or ``"last"``), or text (``allow_text=False``: a
     cached chunk is never recomputed instead). ``background``: store new chunks in a worker
-    thread (True) or inline before returning (False, deterministic for scripts and tests).
+    thread (True) or inline before returning (False, deterministic for scripts and tests). ``progress``: a bar on
+    stderr while ``store_kv`` encodes chunks (on a terminal only; None: ``CACHEGEN_PROGRESS``).
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class KVEngine:
         slo_s: float | None = None,
         estimator: str = "harmonic",
         allow_text: bool = True,
+        progress: bool | None = None,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
@@ -83,10 +88,7 @@ class KVEngine:
         self.codec = codec or KVCodec(fingerprint=self.fingerprint)
         if not self.codec.fingerprint:
             self.codec.fingerprint = self.fingerprint
-        if store is None:
-            from ..stores.disk import DiskCacheStore  # noqa: PLC0415
-
-            store = DiskCacheStore()
+        store = resolve_store(store)  # CACHEGEN_STORE when None; signed when CACHEGEN_HMAC_KEY is set
         self.chunk_tokens = chunk_tokens
         self.level = self.codec.config.default_level if level is None else level
         if self.level not in (*RAW_OPTIONS, *self.codec.levels):
@@ -108,6 +110,8 @@ class KVEngine:
         if why is not None:
             log.warning("the model is on %s but chunks decode on the CPU: %s", model.device, why)
         self._lock = threading.Lock()  # one model call at a time
+        self.progress = progress  # progress bar on store_kv (None: CACHEGEN_PROGRESS, else on a terminal)
+        self.metrics_recorder = MetricsRecorder()
 
     @classmethod
     def from_pretrained(
@@ -130,6 +134,8 @@ class KVEngine:
         ``dtype``, ``device``, ``device_map`` and ``model_kwargs`` go to ``models.load_model`` (the
         CPU by default). ``profile="auto"`` uses the profile stored beside the model in the user
         cache when there is one for this codec configuration, else chunks carry their own tables.
+        ``CACHEGEN_*`` settings (``docs/configuration.md``) fill the arguments not given (or None);
+        ``decode_limits=DecodeLimits(...)`` tightens what a stored blob may make the decoder allocate.
         """
         if isinstance(path_or_model, (str, Path)):
             from ..models import load_model  # noqa: PLC0415
@@ -143,6 +149,7 @@ class KVEngine:
             if tokenizer is None:
                 raise ValueError("pass tokenizer= with a model object")
         fp = model_fingerprint(model, tokenizer)
+        kwargs, limits = engine_options(kwargs)  # CACHEGEN_* settings fill what is not given
         config = config or CodecConfig()
         if profile == "auto":
             from ..profile import find_profile  # noqa: PLC0415
@@ -150,7 +157,7 @@ class KVEngine:
             profile = find_profile(fp, config)
         elif isinstance(profile, (str, Path)):
             profile = Profile.load(profile)
-        return cls(model, tokenizer, KVCodec(config, profile, fingerprint=fp), store, **kwargs)
+        return cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
 
     def _default_options(self) -> list[Option]:
         if self.level in RAW_OPTIONS:
@@ -165,7 +172,7 @@ class KVEngine:
 
     @store.setter
     def store(self, store: KVStore) -> None:
-        self.writer.store = self.reader.store = store
+        self.writer.store = self.reader.store = resolve_store(store)
 
     # ------------------------------------------------------------ the four operations
     def tokenize(self, text: str) -> list[int]:
@@ -195,7 +202,7 @@ class KVEngine:
         if not chunks:
             return []
         kv = self.calculate_kv(self._ids(context)[: chunks[-1].end])
-        for c in chunks:
+        for c in progress_bar(chunks, self.progress, desc="encoding KV chunks", unit="chunk"):
             self.writer.write(c, kv.slice(c.start, c.end))
         return [c.key for c in chunks]
 
@@ -269,6 +276,7 @@ class KVEngine:
             text, _ = self._generate_ids(ids, buffer, done, start, info, generation_kwargs, streamer=streamer)
             self._store_new_chunks(chunks, done, buffer, info)
             info.total_s = time.perf_counter() - start
+            self.metrics_recorder.record(info, self)
             out.append((text, info))
         return out
 
@@ -327,6 +335,10 @@ class KVEngine:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued chunks to be stored; False if ``timeout`` passed first."""
         return self.writer.flush(timeout)
+
+    def metrics(self) -> EngineMetrics:
+        """What this engine's requests did so far: hits, tokens reused, bytes, seconds (``cachegen_core.metrics``)."""
+        return engine_metrics(self)
 
     @property
     def store_stats(self) -> dict[str, int]:

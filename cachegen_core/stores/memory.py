@@ -109,6 +109,14 @@ class MemoryStore(BaseKVStore):
             matched = [self._strip(k) for k in self._data if k.startswith(start)]
         yield from matched
 
+    def entries(self, prefix: str = "") -> Iterator[tuple[str, int, float | None]]:
+        """(key, bytes, None: no store times are kept) of every entry whose key starts with ``prefix``."""
+        start = self._full(prefix)
+        with self._lock:
+            self._check_open()
+            matched = [(self._strip(k), len(v), None) for k, v in self._data.items() if k.startswith(start)]
+        yield from matched
+
     def close(self) -> None:
         with self._lock:
             self._data.clear()
