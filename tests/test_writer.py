@@ -134,3 +134,18 @@ def test_manifest_round_trip():
     assert Manifest.from_bytes(m.to_bytes()) == m and m.options == [0, 3] and 3 in m and 1 not in m
     m = Manifest({1: 4, "raw": 8, "lossless": 16})
     assert Manifest.from_bytes(m.to_bytes()) == m and m.options == ["lossless", "raw", 1]
+
+
+def test_writers_of_different_forms_keep_each_others_blobs_named(tiny_llama, tiny_tokenizer):
+    """Two engine configurations share a store: the manifest names every form either stored."""
+    store = MemoryStore()
+    a = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, level=0, store_options=[0], background=False)
+    b = KVEngine(tiny_llama, tiny_tokenizer, codec=a.codec, store=store, chunk_tokens=CHUNK, level=3, store_options=["raw", 3],
+                 background=False)  # fmt: skip
+    prompt = words(24, 2 * CHUNK + 1)
+    a.generate(prompt, max_new_tokens=1)
+    b.store_kv(prompt)
+    for c in a.chunks(prompt):
+        assert Manifest.from_bytes(store.get(manifest_key(c.key))).options == ["raw", 0, 3]
+    _, info = a.generate(prompt, max_new_tokens=1)
+    assert info.cached_tokens == 2 * CHUNK and info.levels == [0, 0]  # a's own form is still found

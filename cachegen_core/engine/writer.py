@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from ..chunks import Chunk, blob_key
 from ..codec import KVCodec
-from ..errors import StoreError
+from ..errors import CacheGenFormatError, StoreError
 from ..kv import KVCache
 from ..manifest import RAW_OPTIONS, Manifest, Option, manifest_key
 from ..raw import RawCodec
@@ -103,15 +103,26 @@ class ChunkWriter:
         manifest ``before``); raises ``StoreError``/``CacheGenError``."""
         options = self.options if stage is None else self.stages[stage]
         blobs = {o: self.encode(kv, o) for o in options}
-        manifest = Manifest({**(before.sizes if before is not None else {}), **{o: len(b) for o, b in blobs.items()}})
         try:
             self.store.put_many([(blob_key(chunk.key, o), b) for o, b in blobs.items()])
+            # Another writer (another engine configuration) may have stored other forms of this chunk:
+            # keep what its manifest names, so that neither hides the other's blobs.
+            sizes = {**self._stored(chunk), **(before.sizes if before is not None else {}), **{o: len(b) for o, b in blobs.items()}}
+            manifest = Manifest(sizes)
             self.store.put(manifest_key(chunk.key), manifest.to_bytes())  # last: it vouches for every blob above
         except StoreError as e:
             self.health.failed(f"store write failed: {e}")
             raise
         self.health.recovered("writable")
         return manifest
+
+    def _stored(self, chunk: Chunk) -> dict[Option, int]:
+        """The options the chunk's manifest in the store names now ({} when none, or unreadable)."""
+        raw = self.store.get(manifest_key(chunk.key))
+        try:
+            return dict(Manifest.from_bytes(raw).sizes) if raw is not None else {}
+        except CacheGenFormatError:
+            return {}
 
     def submit(self, chunk: Chunk, kv: KVCache) -> bool:
         """Queue the chunk for the worker (False: the queue is full, dropped), or write it now without one;
