@@ -15,8 +15,9 @@ LAYERS = [
     {"errors", "paths"},
     {"kv", "chunks", "manifest", "format", "quantize", "config", "fingerprint", "models", "raw"},
     {"coders"},
-    {"substreams", "profile", "bitstats", "codec"},
+    {"substreams", "profile", "bitstats", "codec", "limits"},
     {"stores"},
+    {"settings", "progress", "metrics", "prometheus"},
     {"streaming"},
     {"engine"},
     {"cli", "__init__"},
@@ -24,10 +25,24 @@ LAYERS = [
 ]
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node, except those under ``if TYPE_CHECKING:`` (imports for type hints only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            test = getattr(child, "test", None)
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
 def _imports(path: Path, package: str) -> set[str]:
-    """Absolute names of the modules ``path`` (in dotted ``package``) imports."""
+    """Absolute names of the modules ``path`` (in dotted ``package``) imports at run time."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
