@@ -9,8 +9,18 @@ A context's token ids are cut into chunks of ``chunk_tokens``. Chunk *i* covers
 
 so a chunk is reused only behind exactly the same prefix, model, codec and profile.
 Keys are computed in one pass: a single running hash state is fed chunk by chunk and
-read out after each one (O(n) in the number of tokens). Only complete chunks get keys;
-the incomplete tail is always prefilled by the model.
+read out after each one (O(n) in the number of tokens).
+
+Partial chunks. A prompt's incomplete last chunk is stored too, rounded down to a multiple of
+``step`` tokens (64), so that the next prompt extending it (a chat's next turn) reuses every
+token but the last few. A partial chunk covering ``[start, end)`` (``start`` a chunk boundary,
+``end - start`` a multiple of ``step`` below ``chunk_tokens``) has its own key family:
+
+    blake2b-256(person="cachegen-tailv1"; fingerprint, codec_id, profile_id, chunk_tokens, step,
+                token ids [0, end) as little-endian uint32)
+
+(:func:`partial_chunks`), so it never collides with a complete chunk's key and, like one, is
+reused only behind exactly the same tokens.
 
 Store keys. A chunk is stored once per option under ``blob_key(chunk.key, option)`` =
 ``"<64 hex chars>-L<level>"`` (or ``-Lraw``, ``-Llossless`` for the raw forms), with its
@@ -33,6 +43,7 @@ import numpy as np
 DEFAULT_CHUNK_TOKENS = 1536
 
 _PERSON = b"cachegen-chunkv1"
+_TAIL_PERSON = b"cachegen-tailv1"
 _MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -104,6 +115,36 @@ def chunk_keys(
         # Read out a copy of the running state; the state itself goes on to the next chunk.
         chunks.append(Chunk(index=i, start=start, end=end, key=h.copy().hexdigest()))
     return chunks
+
+
+def partial_chunks(
+    token_ids: Sequence[int] | Any,
+    start: int,
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    step: int,
+    fingerprint: str,
+    codec_id: str,
+    profile_id: str,
+) -> list[Chunk]:
+    """The partial chunks starting at chunk boundary ``start``: one ending at each multiple of ``step``
+    below ``chunk_tokens`` that ``token_ids`` reach, shortest first, with their keys (see module doc)."""
+    tokens = _as_token_array(token_ids)
+    if step < 1 or start % chunk_tokens:
+        raise ValueError(f"step must be >= 1 and start a multiple of chunk_tokens, got step={step}, start={start}")
+    ends = range(start + step, min(start + chunk_tokens, len(tokens) + 1), step)
+    if not ends:
+        return []
+    h = hashlib.blake2b(digest_size=32, person=_TAIL_PERSON)
+    for part in (fingerprint, codec_id, profile_id, str(chunk_tokens), str(step)):
+        _field(h, part.encode())
+    h.update(tokens[:start].tobytes())
+    out, at = [], start
+    for end in ends:
+        h.update(tokens[at:end].tobytes())
+        at = end
+        out.append(Chunk(index=start // chunk_tokens, start=start, end=end, key=h.copy().hexdigest()))
+    return out
 
 
 def blob_key(chunk_key: str, option: int | str) -> str:

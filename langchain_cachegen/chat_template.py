@@ -12,6 +12,10 @@ from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 
+from cachegen_core.segments import SegmentedPrompt
+
+from .documents import tokenize_marked
+
 _ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
 
 
@@ -24,14 +28,15 @@ def message_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return out
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage]) -> list[int]:
-    """Token ids of the conversation, ending with the assistant's turn, stable across turns."""
+def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage]) -> list[int] | SegmentedPrompt:
+    """Token ids of the conversation, ending with the assistant's turn, stable across turns (a
+    ``SegmentedPrompt`` when messages hold documents marked by ``format_documents``)."""
     dicts = message_dicts(messages)
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return tokenize_marked(tokenizer, text, add_special_tokens=False)
     text = "".join(f"{d['role']}: {d['content']}\n" for d in dicts) + "assistant:"
-    return list(tokenizer(text)["input_ids"])
+    return tokenize_marked(tokenizer, text, add_special_tokens=True)
 
 
 __all__ = ["message_dicts", "render_prompt"]

@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field
 from cachegen_core.engine import GenerationInfo, KVEngine
 from cachegen_core.stores import KVStore
 
+from .documents import engine_prompt
 from .stop import StopStreamer, cut_at_stop
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -121,7 +122,8 @@ class CacheGenLLM(BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         generations = []
-        for text, info in self.engine.generate_many(list(prompts), **self._engine_kwargs(stop, kwargs)):
+        marked = [engine_prompt(self.engine, p) for p in prompts]  # documents marked by format_documents
+        for text, info in self.engine.generate_many(marked, **self._engine_kwargs(stop, kwargs)):
             text, _ = cut_at_stop(text, stop)
             generations.append([Generation(text=text, generation_info=info.as_dict())])
         return LLMResult(generations=generations, llm_output={"model_id": self.model_id})
@@ -135,7 +137,7 @@ class CacheGenLLM(BaseLLM):
     ) -> Iterator[GenerationChunk]:
         """Text chunks cut at ``stop``, then an empty chunk carrying the generation info."""
         filt = StopStreamer(stop)
-        for item in self.engine.stream(prompt, **self._engine_kwargs(stop, kwargs)):
+        for item in self.engine.stream(engine_prompt(self.engine, prompt), **self._engine_kwargs(stop, kwargs)):
             if isinstance(item, GenerationInfo):
                 tail = filt.finish()
                 if tail:

@@ -13,7 +13,7 @@ MAX_LINES = 400
 #: Each layer of cachegen_core may import only the layers listed before it (docs/architecture.md).
 LAYERS = [
     {"errors", "paths"},
-    {"kv", "chunks", "manifest", "format", "quantize", "config", "fingerprint", "models", "raw"},
+    {"kv", "chunks", "manifest", "format", "quantize", "config", "fingerprint", "models", "raw", "segments"},
     {"coders"},
     {"substreams", "profile", "bitstats", "codec", "limits"},
     {"stores"},

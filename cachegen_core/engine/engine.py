@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..chunks import Chunk, chunk_keys
+from ..chunks import Chunk, chunk_keys, partial_chunks
 from ..codec import KVCodec
 from ..config import CodecConfig
 from ..errors import CacheGenError, StoreError
@@ -34,9 +34,12 @@ from ..progress import progress_bar
 from ..settings import engine_options, resolve_store
 from ..stores.base import KVStore
 from ..raw import RawCodec
+from ..segments import SegmentedPrompt, document_spans, tokenize_parts
 from ..streaming import LOSSLESS, RAW, RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
+from .blend import BlendConfig
 from .cost import CostModel
+from .documents import DocumentCaches, Reused
 from .info import GenerationInfo
 from .reader import ChunkReader, report
 from .writer import ChunkWriter
@@ -60,6 +63,10 @@ class KVEngine:
     cached chunk is never recomputed instead). ``background``: store new chunks in a worker
     thread (True) or inline before returning (False, deterministic for scripts and tests). ``progress``: a bar on
     stderr while ``store_kv`` encodes chunks (on a terminal only; None: ``CACHEGEN_PROGRESS``).
+    ``partial_step``: a prompt's incomplete last chunk is stored rounded down to a multiple of this many
+    tokens, so the next prompt extending it reuses it (0: complete chunks only). ``blend``: how the
+    documents of a :class:`SegmentedPrompt` are reused from document caches wherever they land
+    (``documents.py``; None: documents are plain text).
     """
 
     def __init__(
@@ -79,9 +86,11 @@ class KVEngine:
         estimator: str = "harmonic",
         allow_text: bool = True,
         progress: bool | None = None,
+        partial_step: int = 64,
+        blend: BlendConfig | None = BlendConfig(),
     ) -> None:
-        if chunk_tokens < 1:
-            raise ValueError("chunk_tokens must be >= 1")
+        if chunk_tokens < 1 or partial_step < 0:
+            raise ValueError("chunk_tokens must be >= 1 and partial_step >= 0")
         self.model = model
         self.tokenizer = tokenizer
         self.fingerprint = model_fingerprint(model, tokenizer)
@@ -112,6 +121,8 @@ class KVEngine:
         self._lock = threading.Lock()  # one model call at a time
         self.progress = progress  # progress bar on store_kv (None: CACHEGEN_PROGRESS, else on a terminal)
         self.metrics_recorder = MetricsRecorder()
+        self.partial_step = partial_step
+        self.documents = DocumentCaches(self, blend) if blend is not None else None
 
     @classmethod
     def from_pretrained(
@@ -185,6 +196,13 @@ class KVEngine:
             raise ValueError("empty context: nothing to compute")
         return ids
 
+    def segment(self, parts: Sequence[tuple[str, bool]], *, add_special_tokens: bool | None = None) -> SegmentedPrompt:
+        """A prompt from ``(text, is_document)`` parts, each tokenised on its own (a document's tokens do not
+        depend on what surrounds it); the tokenizer's leading special tokens first when ``add_special_tokens``
+        (default: the engine's)."""
+        specials = self.add_special_tokens if add_special_tokens is None else add_special_tokens
+        return tokenize_parts(self.tokenizer, parts, add_special_tokens=specials)
+
     def chunks(self, context: str | Sequence[int]) -> list[Chunk]:
         """The complete chunks of a context, with their store keys."""
         return chunk_keys(self._ids(context), chunk_tokens=self.chunk_tokens, fingerprint=self.fingerprint,
@@ -206,6 +224,14 @@ class KVEngine:
             self.writer.write(c, kv.slice(c.start, c.end))
         return [c.key for c in chunks]
 
+    def store_documents(self, documents: Sequence[str | Sequence[int]]) -> list[str]:
+        """Compute each document's KV on its own and store it (now), so that any later prompt holding it as a
+        document reuses it wherever it lands; returns the stored pieces' keys ([] with ``blend=None``)."""
+        if self.documents is None:
+            return []
+        docs = [list(self.tokenizer(d, add_special_tokens=False)["input_ids"]) if isinstance(d, str) else list(d) for d in documents]
+        return self.documents.store_documents([d for d in docs if d])
+
     def get_kv(self, chunk_ids: Sequence[str], level: Option | None = None, info: GenerationInfo | None = None) -> KVCache:
         """Fetch and decode chunks (in order) stored as ``level`` (a level or raw form; default the engine's);
         raises ``StoreError`` (``BlobMissing``) or ``CacheGenFormatError``."""
@@ -219,7 +245,8 @@ class KVEngine:
 
     # ------------------------------------------------------------ whole requests
     def generate(self, prompt: str | Sequence[int], *, streamer: Any = None, **generation_kwargs: Any) -> tuple[str, GenerationInfo]:
-        """Answer ``prompt``, reusing its longest cached run of leading chunks; returns (text, info).
+        """Answer ``prompt``, reusing its longest cached run of leading chunks (and partial chunk) and, for a
+        :class:`SegmentedPrompt`, its documents' caches wherever they land; returns (text, info).
 
         ``generation_kwargs`` go to transformers' ``generate``, plus ``stop``: a list of
         strings after which generation stops (the text is returned whole; callers cut it).
@@ -269,12 +296,21 @@ class KVEngine:
             info.prompt_tokens = len(ids)
         controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token,
                                 allow_text=self.allow_text, floor=self.level)  # fmt: skip
+        partials = [self._partials(ids) for ids in all_ids] if self._partial_sizes else None
         covered = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
-                                     estimator=self.estimator, prefill=self._prefill)  # fmt: skip
-        out = []
-        for ids, chunks, buffer, done, info in zip(all_ids, all_chunks, buffers, covered, infos):
-            text, _ = self._generate_ids(ids, buffer, done, start, info, generation_kwargs, streamer=streamer)
-            self._store_new_chunks(chunks, done, buffer, info)
+                                     estimator=self.estimator, prefill=self._prefill, partials=partials)  # fmt: skip
+        for done, info in zip(covered, infos):
+            info.partial_tokens = done % self.chunk_tokens
+        spans = [document_spans(p) for p in prompts]
+        reused = [Reused(done, len(ids)) for ids, done in zip(all_ids, covered)]
+        if self.documents is not None and any(spans):
+            reused = self.documents.reuse(all_ids, spans, buffers, covered, infos, controller)
+        out, seen = [], set()
+        for ids, chunks, buffer, done, r, info in zip(all_ids, all_chunks, buffers, covered, reused, infos):
+            text, _ = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer, computed=r.computed)
+            self._store_new_chunks(chunks, done, buffer, info, ids, r.exact)
+            if self.documents is not None and r.missing:
+                self.documents.store(ids, r, info, seen)
             info.total_s = time.perf_counter() - start
             self.metrics_recorder.record(info, self)
             out.append((text, info))
@@ -292,6 +328,15 @@ class KVEngine:
         """What the controller may fetch: every stored option (finest first)."""
         return sorted(self.store_options, key=rank)
 
+    @property
+    def _partial_sizes(self) -> bool:
+        return 0 < self.partial_step < self.chunk_tokens
+
+    def _partials(self, ids: list[int]) -> Callable[[int], list[Chunk]]:
+        """The partial chunks of ``ids`` that may follow a run of complete chunks ending at a token."""
+        return lambda end: partial_chunks(ids, end, chunk_tokens=self.chunk_tokens, step=self.partial_step, fingerprint=self.fingerprint,
+                                          codec_id=self.codec.codec_id, profile_id=self.codec.profile_id or "")  # fmt: skip
+
     def _prefill(self, ids: list[int], buffer: KVCache, start: int) -> None:
         """KV of ``ids`` computed into ``buffer[start:]`` on top of ``buffer[:start]`` (the text option), timed."""
         t = time.perf_counter()
@@ -302,27 +347,31 @@ class KVEngine:
     # ------------------------------------------------------------ generation and storing
     def _generate_ids(
         self, ids: list[int], kv: KVCache | None, covered: int, start: float, info: GenerationInfo,
-        generation_kwargs: dict[str, Any], streamer: Any = None,
+        generation_kwargs: dict[str, Any], streamer: Any = None, computed: int = 0,
     ) -> tuple[str, Any]:  # fmt: skip
-        """Generate after ``ids``, the first ``covered`` of which ``kv`` holds (its other tokens: room to write in)."""
+        """Generate after ``ids``, the first ``covered`` of which ``kv`` holds (its other tokens: room to write in),
+        ``computed`` of them computed in this request rather than reused."""
         covered = min(covered, len(ids) - 1)  # generate() needs at least one token to prefill
-        info.cached_tokens = covered
-        info.recomputed_tokens = len(ids) - covered
+        info.cached_tokens = max(0, covered - computed)
+        info.recomputed_tokens = len(ids) - info.cached_tokens
         with self._lock:
             out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer, filled=covered)
         info.new_tokens = out.new_tokens
         info.ttft_s = out.ttft_s if out.ttft_s is not None else time.perf_counter() - start
-        if info.recomputed_tokens > 64 and out.ttft_s is not None:
+        if info.recomputed_tokens > 64 and out.ttft_s is not None and not computed:
             per_token = (out.ttft_s - info.fetch_s - info.decode_s) / info.recomputed_tokens
             if per_token > 0:
                 self.cost_model.observe_prefill(per_token)
         return out.text, out.cache
 
-    def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo) -> None:
-        """Hand the writer the complete chunks that were computed (not fetched) in this request, as views of
-        the request's buffer (which the model filled in place and nobody writes to any more)."""
-        for c in chunks:
-            if c.end <= done:
+    def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo, ids: Sequence[int], exact: int) -> None:
+        """Hand the writer the complete chunks computed (not fetched) in this request and the partial chunk after
+        them, as views of the request's buffer (which the model filled in place and nobody writes to any more);
+        none past ``exact`` (where reused documents made the KV approximate)."""
+        limit = min(exact, len(ids))
+        partial = self._partials(list(ids[:limit]))(limit - limit % self.chunk_tokens) if self._partial_sizes else []
+        for c in [*chunks, *partial[-1:]]:
+            if c.end <= done or c.end > limit:
                 continue
             try:
                 if self.writer.submit(c, buffer.slice(c.start, c.end)):

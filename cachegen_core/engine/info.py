@@ -15,6 +15,9 @@ class GenerationInfo:
     ``levels``: the option each reused chunk was streamed as, in prompt order: a
     compression level (int) or ``"text"`` (prefilled on the controller's word).
     ``stream``: the streaming controller's record of every chunk (see ``ChunkRecord``).
+    ``partial_tokens``: tokens reused from a partial chunk (the stored tail of an earlier prompt);
+    ``documents``: marked documents after the reused prefix, ``documents_reused`` of them found in the
+    store; ``blend_recomputed``: tokens the selective recompute computed (``blend_s`` seconds).
     """
 
     prompt_tokens: int = 0
@@ -31,6 +34,11 @@ class GenerationInfo:
     errors: list[str] = field(default_factory=list)
     stream: list[dict[str, Any]] = field(default_factory=list)
     text_chunks: int = 0
+    partial_tokens: int = 0
+    documents: int = 0
+    documents_reused: int = 0
+    blend_recomputed: int = 0
+    blend_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

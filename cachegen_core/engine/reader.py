@@ -34,6 +34,8 @@ log = logging.getLogger("cachegen_core.engine")
 
 #: The text option: compute the KV of ``ids`` into ``buffer[start:]``, on top of ``buffer[:start]``.
 PrefillInto = Callable[[list[int], KVCache, int], None]
+#: A prompt's partial chunks that may follow a run of chunks ending at a given token (``chunks.partial_chunks``).
+PartialChunks = Callable[[int], list[Chunk]]
 
 
 def report(info: GenerationInfo, msg: str) -> None:
@@ -104,6 +106,29 @@ class ChunkReader:
             run.append(manifest)
         return run
 
+    def lookup_partial(self, candidates: Sequence[Chunk], floor: Option, info: GenerationInfo,
+                       options: Sequence[Option] | None = None) -> tuple[Chunk, Manifest] | None:  # fmt: skip
+        """The longest of ``candidates`` (partial chunks, shortest first) stored in some option at least as
+        fine as ``floor``, and its manifest (one store request); None when none is."""
+        if not candidates:
+            return None
+        try:
+            raw = self.store.get_many([manifest_key(c.key) for c in candidates])
+        except StoreError as e:
+            self.trouble(info, f"store failure looking up a partial chunk: {e}")
+            return None
+        for c, data in reversed(list(zip(candidates, raw))):
+            if data is None:
+                continue
+            try:
+                manifest = Manifest.from_bytes(data)
+            except CacheGenFormatError as e:
+                report(info, f"bad manifest for the partial chunk of {c.num_tokens} tokens, ignored: {e}")
+                continue
+            if any(rank(o) <= rank(floor) and (options is None or o in options) for o in manifest.options):
+                return c, manifest
+        return None
+
     def fetch(self, key: str, option: Option) -> bytes:
         """The blob of chunk ``key`` stored as ``option``; ``BlobMissing`` when it is not (or no longer) stored."""
         blob = self.store.get(blob_key(key, option))
@@ -160,17 +185,25 @@ class ChunkReader:
         controller: Controller,
         estimator: Estimator,
         prefill: PrefillInto,
+        partials: Sequence[PartialChunks | None] | None = None,
     ) -> list[int]:
         """Stream the stored leading chunks of every (ids, chunks, buffer) prompt as one batch into
         its buffer; returns how many leading tokens of each prompt its buffer now holds.
 
         Chunks are looked up at ``floor`` (see :meth:`lookup`); the controller picks among its
         options (those the chunk's manifest lists) and text, for which ``prefill`` is called.
+        ``partials[p]`` gives prompt p's partial chunks after a run ending at a token: the longest
+        one stored extends the run (:meth:`lookup_partial`).
         """
         runs, manifests, owner = [], {}, {}
         for p, ((ids, chunks, _), info) in enumerate(zip(prompts, infos)):
             found = self.lookup(chunks, floor, info, controller.options)
             runs.append(chunks[: len(found)])
+            more = partials[p] if partials is not None else None
+            tail = self.lookup_partial(more(runs[-1][-1].end if runs[-1] else 0), floor, info, controller.options) if more else None
+            if tail is not None:
+                runs[-1].append(tail[0])
+                found.append(tail[1])
             for c, m in zip(chunks, found):
                 manifests[c.key] = m
                 owner.setdefault(c.key, (c, p))

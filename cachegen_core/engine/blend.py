@@ -1,0 +1,186 @@
+"""Selective recompute (CacheBlend, EuroSys'25): documents cached on their own made to attend to each other.
+
+Documents whose KV was computed each on its own and moved to their positions in a prompt
+(``rope.shift_keys``) have the right KV at layer 0 (it depends on the token and its position
+only), but from layer 1 on each token's KV ignores the documents before it. :func:`blend`
+repairs the tokens where that matters most: it runs layer 0 for every token of the region,
+compares the layer-``check_layer`` keys and values it gets with the cached ones, keeps the
+tokens that deviate most (``ratio`` of the cached tokens), and recomputes those through the
+remaining layers with attention over the whole blended KV, overwriting their KV in place.
+Tokens with no cached KV (text between documents, documents not in the store) are always
+recomputed, through every layer. Every other token keeps its cached KV at every layer, so
+``ratio=0`` with nothing to force leaves the KV as it is (plain concatenation) and
+``ratio=1`` recomputes what a full prefill computes.
+
+Built from the model's own modules (embeddings, rotary embedding, each decoder layer's
+norms, projections and MLP) for the Llama family; :func:`blend_support` says why any other
+model is refused (the engine then prefills instead).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..kv import KVCache
+from .rope import Rope, rope_of
+
+#: Architectures whose decoder layers are Llama's (pre-norm, q/k/v/o projections, RoPE by rotate_half, MLP).
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
+_HAS_GQA = "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
+
+
+@dataclass(frozen=True)
+class BlendConfig:
+    """How prompts with documents are assembled from document caches.
+
+    ``recompute_ratio``: share of the cached document tokens recomputed (0: concatenation);
+    ``check_layer``: the layer whose KV deviation picks them (>= 1: layer 0's KV does not depend
+    on the context); ``min_document_tokens``: shorter documents are plain text;
+    ``query_block``: queries per attention block (bounds memory).
+    """
+
+    recompute_ratio: float = 0.15
+    check_layer: int = 1
+    min_document_tokens: int = 16
+    query_block: int = 512
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        if self.check_layer < 1:
+            raise ValueError("check_layer must be >= 1 (layer 0's KV does not depend on the context)")
+        if self.min_document_tokens < 1 or self.query_block < 1:
+            raise ValueError("min_document_tokens and query_block must be >= 1")
+
+
+def blend_support(model: Any) -> Rope | str:
+    """The model's RoPE when :func:`blend` can run on it, else why it cannot."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in LLAMA_FAMILY:
+        return f"model type {kind!r} is not of the Llama family {sorted(LLAMA_FAMILY)}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention is not supported"
+    inner = getattr(model, "model", None)
+    if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "rotary_emb")):
+        return f"{type(model).__name__} lacks model.embed_tokens, model.layers or model.rotary_emb"
+    for layer in inner.layers:
+        attn = getattr(layer, "self_attn", None)
+        parts = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "num_key_value_groups", "head_dim")
+        if attn is None or not all(hasattr(attn, a) for a in parts) or hasattr(attn, "q_norm"):
+            return f"decoder layer of {type(layer).__name__} is not Llama's (q/k/v/o projections, no q/k norms)"
+        if not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return f"decoder layer of {type(layer).__name__} lacks Llama's norms or MLP"
+    return rope_of(model)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _select(k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, forced: torch.Tensor, n_pick: int) -> torch.Tensor:
+    """The forced tokens and the ``n_pick`` others whose fresh K and V (kv_heads, n, dim) deviate most from the
+    cached ones, each deviation relative to the cached tensors' mean squared norm per token; sorted indices."""
+    dev = torch.zeros(k.shape[1], dtype=torch.float32, device=k.device)
+    for new, old in ((k, old_k), (v, old_v)):
+        old = old.float()
+        dev += (new.float() - old).pow(2).sum((0, 2)) / old.pow(2).sum((0, 2)).mean().clamp_min(1e-12)
+    dev[forced] = -1.0
+    top = torch.topk(dev, n_pick).indices if n_pick else forced[:0]
+    return torch.cat([forced, top]).sort().values
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _heads(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """(tokens, heads * dim) -> (heads, tokens, dim)."""
+    return x.view(x.shape[0], -1, dim).transpose(0, 1)
+
+
+def _masks(pos: torch.Tensor, end: int, block: int) -> list[tuple[slice, torch.Tensor]]:
+    """Per block of queries at positions ``pos``: its slice and its causal mask over keys 0..end-1."""
+    at = torch.arange(end, device=pos.device)
+    return [(slice(s, s + block), at[None, :] <= pos[s : s + block, None]) for s in range(0, len(pos), block)]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, masks: list[tuple[slice, torch.Tensor]], attn: Any) -> torch.Tensor:
+    """Attention of queries ``q`` (heads, n, dim) over ``keys``/``values`` (kv_heads, end, dim) under ``masks``
+    (see :func:`_masks`); returns (n, heads * dim). Batched 4-D inputs: the CPU's fused kernel takes
+    them (3-D ones fall back to a kernel several times slower)."""
+    k, v = keys[None], values[None]
+    gqa = {"enable_gqa": True} if _HAS_GQA else {}
+    if attn.num_key_value_groups > 1 and not _HAS_GQA:
+        k, v = k.repeat_interleave(attn.num_key_value_groups, dim=1), v.repeat_interleave(attn.num_key_value_groups, dim=1)
+    out = []
+    for rows, mask in masks:
+        o = torch.nn.functional.scaled_dot_product_attention(q[None, :, rows], k, v, attn_mask=mask, scale=attn.scaling, **gqa)
+        out.append(o[0].transpose(0, 1).reshape(mask.shape[0], -1))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def blend(
+    model: Any,
+    ids: Sequence[int],
+    buffer: KVCache,
+    start: int,
+    end: int,
+    cached: torch.Tensor,
+    ratio: float,
+    *,
+    check_layer: int = 1,
+    query_block: int = 512,
+) -> int:
+    """Recompute, in ``buffer``, the KV of selected tokens of ``ids[start:end]``; returns how many.
+
+    ``buffer`` holds the exact KV of ``[0, start)`` and, for the region's tokens where ``cached``
+    (bool, ``end - start``) is set, their cached KV at their positions; the others are computed.
+    Of the cached tokens, ``ceil(ratio * cached)`` with the largest layer-``check_layer`` KV
+    deviation are recomputed from that layer on (see module doc).
+    """
+    n = end - start
+    cached = cached.to(device="cpu", dtype=torch.bool)
+    if cached.shape != (n,):
+        raise ValueError(f"cached must have one flag per region token ({n}), got {tuple(cached.shape)}")
+    forced = (~cached).nonzero().flatten()
+    n_pick = math.ceil(ratio * int(cached.sum())) if ratio > 0 else 0
+    if n == 0 or (n_pick == 0 and forced.numel() == 0):
+        return 0
+    inner = model.model
+    device = buffer.keys.device
+    positions = torch.arange(start, end, device=device)
+    h = inner.embed_tokens(torch.tensor([list(ids[start:end])], device=device))[0]
+    cos, sin = (t[0] for t in inner.rotary_emb(h[None], positions[None]))
+    rows = torch.arange(n, device=device)  # the region tokens whose hidden state h holds: the queries
+    forced = forced.to(device)
+    masks = _masks(positions, end, query_block)
+    check_layer = min(check_layer, len(inner.layers) - 1)
+    for li, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        k = _rope(_heads(attn.k_proj(x), attn.head_dim), cos, sin)
+        v = _heads(attn.v_proj(x), attn.head_dim)
+        kbuf, vbuf = buffer.keys[li], buffer.values[li]  # (kv_heads, capacity, dim)
+        if li < check_layer:  # every token is a query; only the tokens without cached KV write theirs
+            kbuf[:, start + forced] = k[:, forced].to(kbuf.dtype)
+            vbuf[:, start + forced] = v[:, forced].to(vbuf.dtype)
+        else:
+            if li == check_layer:  # keep the cached tokens whose KV deviates most, and the forced ones
+                rows = _select(k, v, kbuf[:, start:end], vbuf[:, start:end], forced, n_pick)
+                h, x, k, v, cos, sin = h[rows], x[rows], k[:, rows], v[:, rows], cos[rows], sin[rows]
+                masks = _masks(positions[rows], end, query_block)
+            kbuf[:, start + rows] = k.to(kbuf.dtype)
+            vbuf[:, start + rows] = v.to(vbuf.dtype)
+        q = _rope(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
+        o = _attend(q, kbuf[:, :end], vbuf[:, :end], masks, attn)
+        h = h + attn.o_proj(o.to(h.dtype))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return int(rows.numel())

@@ -1,0 +1,269 @@
+"""Document caches: each document's KV computed once on its own, stored under its content, reused anywhere.
+
+A prompt's documents (the spans of a :class:`~cachegen_core.segments.SegmentedPrompt`) that lie
+after its reused prefix are looked up by content (``segments.document_pieces``: one store
+request for every piece of every document of a batch), streamed into the prompt's buffer (a
+piece shared by prompts of a batch once), their keys moved to where they landed
+(``rope.shift_keys``), and the prompt between the prefix and the first cached document is
+prefilled exactly. Then :func:`~.blend.blend` recomputes the selected share of the cached
+tokens and every token with no cached KV (text between documents, documents not stored), so
+that documents attend to each other again. The question after the last document is left to
+generation. A document not in the store is computed on its own after the answer (``store``)
+and queued for the writer, so the next prompt holding it, in any position, finds it.
+
+Models :func:`~.blend.blend_support` refuses (another architecture, a rope type whose
+frequencies depend on the sequence length) treat documents as plain text; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..chunks import Chunk
+from ..errors import BlobMissing, CacheGenError, CacheGenFormatError, StoreError
+from ..kv import KVCache
+from ..manifest import Manifest, manifest_key
+from ..segments import document_pieces
+from ..streaming import TEXT, ChunkRecord, Controller, Option, StreamFailure, rank, stream_batch
+from . import hf
+from .blend import BlendConfig, blend, blend_support
+from .info import GenerationInfo
+from .reader import report
+from .rope import Rope, shift_keys
+
+if TYPE_CHECKING:
+    from .engine import KVEngine
+
+log = logging.getLogger("cachegen_core.engine")
+
+
+@dataclass(frozen=True)
+class Reused:
+    """What the document step left in one prompt's buffer.
+
+    ``filled``: leading tokens the buffer holds; ``exact``: the KV before this token is exact (what
+    the prefix cache may store); ``computed``: tokens of ``[covered, filled)`` computed rather than
+    reused; ``missing``: document spans to compute on their own and store after the answer.
+    """
+
+    filled: int
+    exact: int
+    computed: int = 0
+    missing: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A stored piece of a document placed in a prompt (its span there, its key); ``shift``: how far its
+    keys move from the positions they were computed at."""
+
+    chunk: Chunk
+    shift: int
+
+    @property
+    def place(self) -> tuple[str, int]:
+        return self.chunk.key, self.chunk.start
+
+
+class DocumentCaches:
+    """The document step of an engine (see module doc)."""
+
+    def __init__(self, engine: KVEngine, config: BlendConfig) -> None:
+        self.engine = engine
+        self.config = config
+        support = blend_support(engine.model)
+        self.rope: Rope | None = support if isinstance(support, Rope) else None
+        self.unsupported = support if isinstance(support, str) else None
+        bos = getattr(engine.tokenizer, "bos_token_id", None)
+        self.preamble: tuple[int, ...] = (int(bos),) if bos is not None else ()
+        self._warned = False
+
+    def pieces(self, doc_ids: Sequence[int]) -> list[Chunk]:
+        """The stored pieces of a document (spans relative to it) with their keys."""
+        e = self.engine
+        return document_pieces(doc_ids, piece_tokens=e.chunk_tokens, fingerprint=e.fingerprint, codec_id=e.codec.codec_id,
+                               profile_id=e.codec.profile_id or "", preamble=self.preamble)  # fmt: skip
+
+    def compute(self, doc_ids: Sequence[int]) -> KVCache:
+        """The document's KV computed on its own (after the preamble), at positions ``len(preamble)`` on."""
+        with self.engine._lock:
+            return hf.prefill(self.engine.model, [*self.preamble, *doc_ids]).slice(len(self.preamble))
+
+    # ------------------------------------------------------------ before generation
+    def reuse(
+        self,
+        prompts: Sequence[Sequence[int]],
+        spans: Sequence[Sequence[tuple[int, int]]],
+        buffers: Sequence[KVCache],
+        covered: Sequence[int],
+        infos: Sequence[GenerationInfo],
+        controller: Controller,
+    ) -> list[Reused]:
+        """Fill each prompt's buffer past its ``covered`` prefix from the document caches (see module doc)."""
+        plain = [Reused(done, len(ids)) for ids, done in zip(prompts, covered)]
+        docs = [[(s, e) for s, e in sp if s >= done and e - s >= self.config.min_document_tokens] for sp, done in zip(spans, covered)]
+        for d, info in zip(docs, infos):
+            info.documents = len(d)
+        if not any(docs):
+            return plain
+        if self.rope is None:
+            if not self._warned:
+                log.warning("documents are prefilled as text: %s", self.unsupported)
+                self._warned = True
+            return plain
+        placed = [[_Piece(Chunk(c.index, s + c.start, s + c.end, c.key), s - len(self.preamble))
+                   for s, e in d for c in self.pieces(ids[s:e])] for ids, d in zip(prompts, docs)]  # fmt: skip
+        held, text = self._stream(placed, buffers, infos, controller)
+        return [self._blend(ids, d, pieces, h, text, buffer, done, info)
+                for ids, d, pieces, h, buffer, done, info in zip(prompts, docs, placed, held, buffers, covered, infos)]  # fmt: skip
+
+    def _blend(
+        self, ids: Sequence[int], docs: list[tuple[int, int]], placed: list[_Piece], held: set[tuple[str, int]], text: set[str],
+        buffer: KVCache, done: int, info: GenerationInfo,
+    ) -> Reused:  # fmt: skip
+        """One prompt's pieces moved into place, the text before them prefilled, then the selective recompute."""
+        assert self.rope is not None
+        mine = [x for x in placed if x.place in held]
+        missing = tuple((s, e) for s, e in docs
+                        if any(x.place not in held and x.chunk.key not in text for x in placed if s <= x.chunk.start < e))  # fmt: skip
+        if not mine:
+            return Reused(done, len(ids), missing=missing)
+        for x in mine:
+            shift_keys(buffer.slice(x.chunk.start, x.chunk.end).keys, x.shift, self.rope)
+        start, end = mine[0].chunk.start, mine[-1].chunk.end
+        if start > done:
+            self.engine._prefill(list(ids[done:start]), buffer, done)
+        cached = torch.zeros(end - start, dtype=torch.bool)
+        for x in mine:
+            cached[x.chunk.start - start : x.chunk.end - start] = True
+        t = time.perf_counter()
+        with self.engine._lock:
+            n = blend(self.engine.model, ids, buffer, start, end, cached, self.config.recompute_ratio,
+                      check_layer=self.config.check_layer, query_block=self.config.query_block)  # fmt: skip
+        info.blend_s = time.perf_counter() - t
+        info.documents_reused = sum(any(s <= x.chunk.start < e for x in mine) for s, e in docs)
+        info.blend_recomputed = n
+        return Reused(end, start, computed=(start - done) + n, missing=missing)
+
+    def _stream(
+        self, placed: list[list[_Piece]], buffers: Sequence[KVCache], infos: Sequence[GenerationInfo], controller: Controller
+    ) -> tuple[list[set[tuple[str, int]]], set[str]]:
+        """Stream every stored piece into its prompts' buffers (at the positions it was computed at);
+        returns per prompt the places (key, start) it holds, and the keys the controller sent as text."""
+        reader = self.engine.reader
+        keys = list(dict.fromkeys(x.chunk.key for pieces in placed for x in pieces))
+        manifests = self._lookup(keys, infos[0], self.engine.level, controller.options)
+        owner: dict[str, tuple[Chunk, int]] = {}
+        for p, pieces in enumerate(placed):
+            for x in pieces:
+                if x.chunk.key in manifests:
+                    owner.setdefault(x.chunk.key, (x.chunk, p))
+        held: list[set[tuple[str, int]]] = [set() for _ in placed]
+        text: set[str] = set()
+        if not owner:
+            return held, text
+
+        def decode(blob: bytes, key: str, option: Option) -> KVCache:
+            c, p = owner[key]
+            kv = reader.decode(blob, key, option, out=buffers[p].slice(c.start, c.end))
+            held[p].add((key, c.start))
+            return kv
+
+        def on_text(key: str) -> None:  # its tokens are computed in the prompt, with the blend's forced tokens
+            text.add(key)
+
+        def cost(key: str):  # noqa: ANN202
+            sizes = {o: n for o, n in manifests[key].sizes.items() if o in controller.options}
+            return reader.cost_model.chunk_cost(owner[key][0].num_tokens, sizes)
+
+        requests = [list(dict.fromkeys(x.chunk.key for x in pieces if x.chunk.key in owner)) for pieces in placed]
+        records: tuple[ChunkRecord, ...]
+        try:
+            records = stream_batch(requests, cost, fetch=reader.fetch, decode=decode, on_text=on_text, controller=controller,
+                                   estimator=self.engine.estimator).plan.records  # fmt: skip
+        except StreamFailure as f:
+            self._failed(infos[0], f)
+            records = f.partial.trace
+        decoded = {owner[k][0].key: owner[k] for p in held for k, _ in p}
+        for p, (pieces, info) in enumerate(zip(placed, infos)):
+            for x in pieces:  # a piece streamed once, into another place: copied over
+                if x.chunk.key in decoded and x.place not in held[p]:
+                    c, q = decoded[x.chunk.key]
+                    src, dst = buffers[q].slice(c.start, c.end), buffers[p].slice(x.chunk.start, x.chunk.end)
+                    dst.keys.copy_(src.keys)
+                    dst.values.copy_(src.values)
+                    held[p].add(x.place)
+            asked = set(requests[p])
+            for r in records:
+                if r.chunk in asked and (r.chunk in decoded or r.option == TEXT):
+                    info.stream.append(r.as_dict())
+                    info.bytes_fetched += r.bytes
+                    info.fetch_s += r.fetch_s
+                    info.decode_s += r.decode_s
+                    info.levels.append(r.option)
+        return held, text
+
+    def _lookup(self, keys: list[str], info: GenerationInfo, floor: Option, options: Sequence[Option]) -> dict[str, Manifest]:
+        """Manifests of the stored pieces among ``keys`` (one store request), with an option at least as fine as ``floor``."""
+        reader = self.engine.reader
+        try:
+            raw = reader.store.get_many([manifest_key(k) for k in keys])
+        except StoreError as e:
+            reader.trouble(info, f"store failure, documents recomputed: {e}")
+            return {}
+        found = {}
+        for key, data in zip(keys, raw):
+            if data is None:
+                continue
+            try:
+                manifest = Manifest.from_bytes(data)
+            except CacheGenFormatError as e:
+                report(info, f"bad manifest for document piece {key[:12]}, recomputed: {e}")
+                continue
+            if any(rank(o) <= rank(floor) and o in options for o in manifest.options):
+                found[key] = manifest
+        return found
+
+    def _failed(self, info: GenerationInfo, f: StreamFailure) -> None:
+        if isinstance(f.cause, BlobMissing):  # evicted since its manifest was read: a plain miss
+            return
+        if isinstance(f.cause, StoreError):
+            self.engine.reader.trouble(info, f"store failure for a document piece, recomputed from there: {f.cause}")
+        else:
+            kind = "bad blob" if isinstance(f.cause, CacheGenFormatError) else "failure"
+            report(info, f"{kind} for document piece {str(f.chunk)[:12]}, recomputed from there: {f.cause}")
+
+    # ------------------------------------------------------------ after generation
+    def store(self, ids: Sequence[int], reused: Reused, info: GenerationInfo, seen: set[str]) -> None:
+        """Compute each missing document of the prompt on its own and queue its pieces for the writer
+        (``seen``: first piece keys already stored in this batch, added to)."""
+        for s, e in reused.missing:
+            pieces = self.pieces(ids[s:e])
+            if pieces[0].key in seen:
+                continue
+            seen.add(pieces[0].key)
+            try:
+                kv = self.compute(ids[s:e])
+                for c in pieces:
+                    if self.engine.writer.submit(c, kv.slice(c.start, c.end)):
+                        info.chunks_queued += 1
+            except StoreError as err:  # logged once by the writer
+                info.errors.append(f"storing a document failed: {err}")
+            except CacheGenError as err:
+                report(info, f"storing a document failed: {err}")
+
+    def store_documents(self, documents: Sequence[Sequence[int]]) -> list[str]:
+        """Compute and write (now) the pieces of each document; returns their keys."""
+        keys = []
+        for doc in documents:
+            kv = self.compute(doc)
+            for c in self.pieces(doc):
+                self.engine.writer.write(c, kv.slice(c.start, c.end))
+                keys.append(c.key)
+        return keys

@@ -1,0 +1,119 @@
+"""Moving cached keys (RoPE re-applied) and the selective recompute (CacheBlend), on the tiny Llama."""
+
+import pytest
+import torch
+
+from cachegen_core.engine import hf
+from cachegen_core.engine.blend import BlendConfig, blend, blend_support
+from cachegen_core.engine.rope import Rope, rope_of, shift_keys
+from cachegen_core.kv import KVCache
+from cachegen_core.testing import make_tiny_llama
+
+PREFIX, DOCS, LENGTH = 20, [(20, 120), (125, 260)], 300  # documents with 5 tokens of text between them
+
+
+def _ids(seed: int = 0, n: int = LENGTH) -> list[int]:
+    return torch.randint(7, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _assembled(model, ids, full, rope, preamble=(1,)):
+    """A buffer with the exact prefix and each document computed on its own (after the preamble), moved into
+    place: what the engine builds from document caches; and the region's cached flags."""
+    buf = KVCache(torch.zeros(3, 2, LENGTH + 8, 16), torch.zeros(3, 2, LENGTH + 8, 16))
+    buf.slice(0, PREFIX).keys.copy_(full.keys[:, :, :PREFIX])
+    buf.slice(0, PREFIX).values.copy_(full.values[:, :, :PREFIX])
+    end = DOCS[-1][1]
+    cached = torch.zeros(end - PREFIX, dtype=torch.bool)
+    for s, e in DOCS:
+        kv = hf.prefill(model, [*preamble, *ids[s:e]]).slice(len(preamble))
+        shift_keys(kv.keys, s - len(preamble), rope)
+        buf.slice(s, e).keys.copy_(kv.keys)
+        buf.slice(s, e).values.copy_(kv.values)
+        cached[s - PREFIX : e - PREFIX] = True
+    return buf, cached
+
+
+def test_moving_post_rope_keys_equals_computing_them_at_the_new_position(tiny_llama):
+    ids = _ids(1, 100)
+    rope = rope_of(tiny_llama)
+    assert isinstance(rope, Rope)
+    at0 = hf.prefill(tiny_llama, ids)
+    for delta in (1, 37, 3000):
+        with torch.no_grad():
+            out = tiny_llama(torch.tensor([ids]), position_ids=torch.arange(delta, delta + 100)[None], use_cache=True)
+        there = KVCache.from_dynamic_cache(out.past_key_values)
+        keys = at0.keys.clone()
+        shift_keys(keys, delta, rope)
+        # float32 rounding of the model's own angles (thousands of radians at position 3000) bounds the match
+        assert torch.allclose(keys, there.keys, atol=2e-4)
+        assert torch.allclose(at0.values, there.values, atol=2e-4)  # values carry no position
+    back = at0.keys.clone()
+    shift_keys(back, 500, rope)
+    shift_keys(back, -500, rope)
+    assert torch.allclose(back, at0.keys, atol=1e-5)
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_types_whose_frequencies_follow_the_sequence_are_refused(rope_type):
+    model = make_tiny_llama()
+    model.model.rotary_emb.rope_type = rope_type  # what such a config loads as
+    assert "changes its frequencies" in rope_of(model)
+    assert "changes its frequencies" in blend_support(model)
+
+
+def test_other_architectures_are_refused_with_a_reason(tiny_llama):
+    class Other(torch.nn.Module):
+        config = type("C", (), {"model_type": "gpt2"})()
+
+    assert "not of the Llama family" in blend_support(Other())
+    assert isinstance(blend_support(tiny_llama), Rope)
+
+
+def test_recomputing_every_token_reproduces_full_prefill_kv_and_first_token(tiny_llama):
+    ids = _ids()
+    full = hf.prefill(tiny_llama, ids)
+    buf, cached = _assembled(tiny_llama, ids, full, blend_support(tiny_llama))
+    end = DOCS[-1][1]
+    assert blend(tiny_llama, ids, buf, PREFIX, end, cached, 1.0) == end - PREFIX
+    assert torch.allclose(buf.keys[:, :, :end], full.keys[:, :, :end], atol=1e-4)
+    assert torch.allclose(buf.values[:, :, :end], full.values[:, :, :end], atol=1e-4)
+    hf.prefill_into(tiny_llama, ids[end:], buf, end)
+    with torch.no_grad():
+        ref = tiny_llama(torch.tensor([ids])).logits[0, -1]
+        last = tiny_llama(torch.tensor([ids[-1:]]), past_key_values=buf.slice(0, LENGTH - 1).to_dynamic_cache(tiny_llama.config)).logits[0, -1]
+    assert int(last.argmax()) == int(ref.argmax()) and torch.allclose(last, ref, atol=1e-3)
+
+
+def test_recomputing_no_token_is_plain_concatenation_but_computes_the_text_between(tiny_llama):
+    ids = _ids()
+    full = hf.prefill(tiny_llama, ids)
+    buf, cached = _assembled(tiny_llama, ids, full, blend_support(tiny_llama))
+    before = KVCache(buf.keys.clone(), buf.values.clone())
+    end = DOCS[-1][1]
+    gap = slice(DOCS[0][1], DOCS[1][0])
+    assert blend(tiny_llama, ids, buf, PREFIX, end, cached, 0.0) == gap.stop - gap.start  # only the text between
+    for s, e in DOCS:  # every document token keeps its cached KV, bit for bit
+        assert torch.equal(buf.keys[:, :, s:e], before.keys[:, :, s:e]) and torch.equal(buf.values[:, :, s:e], before.values[:, :, s:e])
+    assert torch.allclose(buf.keys[0, :, gap], full.keys[0, :, gap], atol=1e-5)  # layer 0: context-free, exact
+    adjacent = torch.ones(DOCS[0][1] - PREFIX, dtype=torch.bool)  # documents only: nothing to do at all
+    assert blend(tiny_llama, ids, before, PREFIX, DOCS[0][1], adjacent, 0.0) == 0
+
+
+def test_a_partial_recompute_moves_the_kv_towards_full_prefill(tiny_llama):
+    ids = _ids(3)
+    full = hf.prefill(tiny_llama, ids)
+    end = DOCS[-1][1]
+    errors = []
+    for ratio in (0.0, 0.3, 0.7):
+        buf, cached = _assembled(tiny_llama, ids, full, blend_support(tiny_llama))
+        n = blend(tiny_llama, ids, buf, PREFIX, end, cached, ratio)
+        assert n == 5 + int(torch.ceil(torch.tensor(ratio * int(cached.sum()))))
+        errors.append(float((buf.values[:, :, :end] - full.values[:, :, :end]).pow(2).sum()))
+    assert errors[0] > errors[1] > errors[2]
+
+
+def test_blend_config_is_checked():
+    with pytest.raises(ValueError, match="check_layer"):
+        BlendConfig(check_layer=0)
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        BlendConfig(recompute_ratio=1.5)
