@@ -106,10 +106,13 @@ def test_the_next_request_finds_the_raw_form_before_the_levels_are_written(tiny_
     from cachegen_core.manifest import Manifest, manifest_key
 
     for c in e.chunks(prompt):  # and afterwards every chunk is complete: raw form and levels
-        assert Manifest.from_bytes(e.store.get(manifest_key(c.key))).options == ["raw", 1, 3]
+        assert Manifest.from_bytes(e.store.get(manifest_key(c.key))).options == ["raw", 1]
 
 
-def test_a_model_in_float16_stores_its_exact_kv_by_default(tiny_tokenizer):
+def test_default_forms_stored(tiny_llama, tiny_tokenizer):
+    """The exact 16-bit form and the level; the coarsest level too when a deadline may need it."""
     model = make_tiny_llama(dtype=torch.float16)
-    e = KVEngine(model, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, background=False)
-    assert e.store_options[0] == "lossless"
+    assert KVEngine(model, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["lossless", 1]
+    assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["raw", 1]
+    assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), slo_s=1.0, background=False).store_options == ["raw", 1, 3]
+    assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), level="raw", background=False).store_options == ["raw"]

@@ -51,8 +51,8 @@ class KVEngine:
     deadline: a compression level (default: the codec's default), ``"raw"`` (16-bit KV) or
     ``"lossless"`` (the KV exactly: answers identical to no cache). ``store_options``: what a
     miss writes, levels and raw forms (default: the exact 16-bit form — ``"lossless"`` for a
-    16-bit model, else ``"raw"`` — plus ``level`` and the coarsest level; ``["lossless"]`` for
-    ``level="lossless"``). Without ``slo_s`` each cached chunk is streamed in the option
+    16-bit model, else ``"raw"`` — plus ``level``, and with ``slo_s`` the coarsest level;
+    ``["lossless"]`` for ``level="lossless"``). Without ``slo_s`` each cached chunk is streamed in the option
     predicted to finish the prompt's chunks first among those at least as fine as ``level``
     (or prefilled as text); with ``slo_s`` (seconds to fetch and decode them) the controller
     picks, chunk by chunk, the finest stored option that meets the deadline at the bandwidth
@@ -93,7 +93,7 @@ class KVEngine:
         self.level = self.codec.config.default_level if level is None else level
         if self.level not in (*RAW_OPTIONS, *self.codec.levels):
             raise ValueError(f"level {self.level!r} is neither a raw form {RAW_OPTIONS} nor in {self.codec.levels}")
-        self.store_options = list(store_options) if store_options is not None else self._default_options()
+        self.store_options = list(store_options) if store_options is not None else self._default_options(slo_s)
         if not any(rank(o) <= rank(self.level) for o in self.store_options):
             raise ValueError(f"store_options {self.store_options} hold nothing as fine as level {self.level!r}")
         self.add_special_tokens = add_special_tokens
@@ -159,11 +159,13 @@ class KVEngine:
             profile = Profile.load(profile)
         return cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
 
-    def _default_options(self) -> list[Option]:
+    def _default_options(self, slo_s: float | None) -> list[Option]:
+        """The exact 16-bit form and ``level``; with a deadline also the coarsest level, the one the
+        controller falls back to on a slow link (without one, nothing coarser than ``level`` is used)."""
         if self.level in RAW_OPTIONS:
             return [self.level]
         exact16 = hf.model_dtype(self.model) in (torch.float16, torch.bfloat16)
-        return list(dict.fromkeys([LOSSLESS if exact16 else RAW, self.level, self.codec.levels[-1]]))
+        return list(dict.fromkeys([LOSSLESS if exact16 else RAW, self.level, *([self.codec.levels[-1]] if slo_s else [])]))
 
     @property
     def store(self) -> KVStore:
