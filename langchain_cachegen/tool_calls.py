@@ -17,6 +17,7 @@ from typing import Any
 
 from langchain_core.messages import InvalidToolCall, ToolCall
 from langchain_core.messages.tool import invalid_tool_call, tool_call
+from langchain_core.utils.json import parse_partial_json
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -102,10 +103,21 @@ def _decode_block(body: str) -> list[ToolCall | InvalidToolCall]:
     try:
         obj, _ = json.JSONDecoder().raw_decode(raw)
     except json.JSONDecodeError as e:
-        return [invalid_tool_call(name=None, args=raw, id=new_call_id(), error=f"not JSON: {e}")]
+        partial = _partial_object(raw)  # cut short, most likely: name the tool it was calling
+        name = partial.get("name") if isinstance(partial.get("name"), str) else None
+        return [invalid_tool_call(name=name, args=raw, id=new_call_id(), error=f"not JSON: {e}")]
     if isinstance(obj, list):
         return [_decode_call(o, _dumps(o)) for o in obj]
     return [_decode_call(obj, raw)]
+
+
+def _partial_object(raw: str) -> dict[str, Any]:
+    """What an unfinished JSON object already says, ``{}`` if it is not one."""
+    try:
+        obj = parse_partial_json(raw)
+    except ValueError:
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def _bare_call(text: str, tool_names: Collection[str]) -> dict[str, Any] | None:

@@ -84,6 +84,11 @@ def test_malformed_calls_become_invalid_tool_calls(body, error):
     assert parsed.tool_calls == [] and error in bad["error"] and bad["id"] and isinstance(bad["args"], str)
 
 
+def test_a_call_cut_short_is_invalid_but_names_its_tool():
+    (bad,) = parse_tool_calls('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os').invalid_tool_calls
+    assert bad["name"] == "get_weather" and bad["args"].endswith('"Os') and "not JSON" in bad["error"]
+
+
 def test_bare_json_call_only_for_a_bound_tool():
     text = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
     assert parse_tool_calls(text).tool_calls == []  # no tools bound: plain text
@@ -205,7 +210,7 @@ def test_streamed_tool_calls_match_invoke_and_arrive_once(chat, monkeypatch):
     assert all("<tool" not in c.content for c in chunks)
     assert full.content == invoked.content == "w10"
     assert [(c["name"], c["args"]) for c in full.tool_calls] == [(c["name"], c["args"]) for c in invoked.tool_calls]
-    assert [c["name"] for c in full.invalid_tool_calls] == [c["name"] for c in invoked.invalid_tool_calls] == [None]
+    assert [c["name"] for c in full.invalid_tool_calls] == [c["name"] for c in invoked.invalid_tool_calls] == ["Add"]
     assert sum(1 for c in chunks if c.tool_call_chunks) == 1 and chunks[-1].chunk_position == "last"
 
 
