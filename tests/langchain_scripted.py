@@ -15,17 +15,24 @@ import pytest
 from cachegen_core.engine import GenerationInfo, KVEngine
 
 
-def script_answers(engine: KVEngine, monkeypatch: pytest.MonkeyPatch, *answers: str, piece: int = 3) -> list[dict[str, Any]]:
+def script_answers(
+    engine: KVEngine, monkeypatch: pytest.MonkeyPatch, *answers: str, piece: int = 3, run_engine: bool = False
+) -> list[dict[str, Any]]:
     """Make ``engine`` answer with ``answers`` in turn (the last one repeats); returns the calls it gets.
 
     Each call is recorded as ``{"prompt": ids, "gen": kwargs}``; streams yield ``piece``
     characters at a time. ``new_tokens`` counts words, ``max_new_tokens`` is honoured as a cap.
+    ``run_engine``: the engine still answers each prompt (fetching, computing and storing
+    its chunks), and its info is reported; only the text is replaced.
     """
     calls: list[dict[str, Any]] = []
+    real = engine.generate_many
 
     def answer(prompt: Sequence[int], gen: dict[str, Any]) -> tuple[str, GenerationInfo]:
         calls.append({"prompt": list(prompt), "gen": dict(gen)})
         text = answers[min(len(calls) - 1, len(answers) - 1)]
+        if run_engine:
+            return text, real([prompt], **gen)[0][1]
         n = len(text.split())
         return text, GenerationInfo(prompt_tokens=len(prompt), new_tokens=min(n, gen.get("max_new_tokens", n)))
 
