@@ -1,6 +1,6 @@
 """A LangGraph chatbot on ChatCacheGen: the checkpointed conversation is reused from the KV store every turn.
 
-    python -m examples.langgraph_chat [--model smollm2-135m] [--data F] [--turns 4] [--doc-tokens 1024] [--chunk-tokens 256]
+    python -m examples.langgraph_chat [--model smollm2-135m] [--data F] [--turns 5] [--doc-tokens 1024] [--chunk-tokens 128]
 
 The graph is one node over ``MessagesState``; an ``InMemorySaver`` checkpointer keeps
 each thread's messages, so a turn sends only the new user message (LangChain 1.x's
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--data", type=Path, default=DATA, help="LongChat-style JSON-lines transcripts (default: the shipped demo excerpt)")
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--doc-tokens", type=int, default=1024, help="tokens of the transcript in the system message")
-    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--chunk-tokens", type=int, default=128, help="small chunks so that each turn soon fills one")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--store", default="memory", help="memory (default here) or disk")
     args = ap.parse_args(argv)
