@@ -37,8 +37,6 @@ MAX_TOKENS = 24
 NO_TOOL_CHOICE = "a 135M model does not decide to call a tool by itself (tool_choice='auto')"
 BAD_ARGUMENTS = "a 135M model does not write a tool call's arguments to the tool's schema (it copies the schema), even when the call is forced"
 BAD_JSON = "a 135M model does not write a JSON object that matches the schema"
-#: A dict answer passes whatever its keys (the suite does not assert its validation), a pydantic one must validate.
-SCHEMA_TYPES = [pytest.param("pydantic", marks=pytest.mark.xfail(reason=BAD_JSON)), "typeddict", "json_schema"]
 
 
 @cache
@@ -90,6 +88,14 @@ class TestChatCacheGenIntegration(ChatModelIntegrationTests):
         assert full.usage_metadata["input_token_details"]["cache_read"] >= 128
         return full
 
+    @pytest.fixture(autouse=True)
+    def _pydantic_structured_output_xfails(self, request: pytest.FixtureRequest) -> None:
+        """test_structured_output[pydantic] (and async) xfail; a dict answer passes whatever its keys
+        (the suite does not assert its validation). Marked here: the suite forbids overriding without xfail."""
+        callspec = getattr(request.node, "callspec", None)
+        if request.node.name.startswith("test_structured_output") and callspec and callspec.params.get("schema_type") == "pydantic":
+            request.applymarker(pytest.mark.xfail(reason=BAD_JSON))
+
     @pytest.mark.xfail(reason=BAD_ARGUMENTS)
     def test_tool_calling(self, model: BaseChatModel) -> None:
         super().test_tool_calling(model)
@@ -118,14 +124,6 @@ class TestChatCacheGenIntegration(ChatModelIntegrationTests):
     @pytest.mark.xfail(reason=BAD_ARGUMENTS)
     def test_tool_choice(self, model: BaseChatModel) -> None:
         super().test_tool_choice(model)
-
-    @pytest.mark.parametrize("schema_type", SCHEMA_TYPES)
-    def test_structured_output(self, model: BaseChatModel, schema_type: str) -> None:
-        super().test_structured_output(model, schema_type)
-
-    @pytest.mark.parametrize("schema_type", SCHEMA_TYPES)
-    async def test_structured_output_async(self, model: BaseChatModel, schema_type: str) -> None:
-        await super().test_structured_output_async(model, schema_type)
 
     @pytest.mark.xfail(reason=BAD_JSON)
     def test_structured_output_pydantic_2_v1(self, model: BaseChatModel) -> None:
