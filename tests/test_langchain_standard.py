@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 #: Enough for the plumbing tests' answers and a tool call's arguments; the schema-bound
 #: answers a 135M model gets wrong anyway fail as fast as they can.
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 NO_TOOL_CHOICE = "a 135M model does not decide to call a tool by itself (tool_choice='auto')"
 BAD_ARGUMENTS = "a 135M model does not write a tool call's arguments to the tool's schema (it copies the schema), even when the call is forced"
@@ -78,7 +78,7 @@ class TestChatCacheGenIntegration(ChatModelIntegrationTests):
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         """A second call on a long system message reads its chunks from the store."""
         model = ChatCacheGen(**self.chat_model_params)
-        messages = [SystemMessage(words(1, 150)), HumanMessage("Hello")]
+        messages = [SystemMessage(words(1, 100)), HumanMessage("Hello")]
         model.invoke(messages)
         if not stream:
             return model.invoke(messages)
