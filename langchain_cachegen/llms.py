@@ -135,7 +135,7 @@ class CacheGenLLM(BaseLLM):
     def _info(self, info: GenerationInfo, stopped: bool, max_new_tokens: int | None) -> dict[str, Any]:
         """The generation info of one answer: the engine's counters plus why it ended, the model and usage."""
         out = info.as_dict()
-        out["finish_reason"] = finish_reason(info.new_tokens, max_new_tokens, stopped)
+        out["finish_reason"] = info.finish_reason or finish_reason(info.new_tokens, max_new_tokens, stopped)
         out["model_name"] = self.model_id
         out["usage_metadata"] = usage_metadata(out)
         return out

@@ -194,3 +194,12 @@ def test_levels_decode_where_the_model_is_when_the_coder_can_and_on_the_cpu_othe
 
     monkeypatch.setitem(registry.DEVICE_DECODERS, (engine.codec.coder.name, "cuda"), FakeGpuDecoder)
     assert engine.reader.use_device(torch.device("cuda")) is None and engine.reader.decode_device.type == "cuda"
+
+
+def test_finish_reason_says_why_generation_ended(engine):
+    prompt = words(60, 40)
+    text, info = engine.generate(prompt, max_new_tokens=6)
+    assert info.finish_reason == "length" and info.new_tokens == 6 and info.stop_sequence is None
+    stop = text.split()[2]
+    _, info = engine.generate(prompt, max_new_tokens=6, stop=[stop])
+    assert info.finish_reason == "stop" and info.stop_sequence == stop and info.new_tokens < 6

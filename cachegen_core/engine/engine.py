@@ -313,6 +313,7 @@ class KVEngine:
         with self._lock:
             out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer, filled=covered)
         info.new_tokens = out.new_tokens
+        info.finish_reason, info.stop_sequence = out.finish_reason, out.stop_sequence
         info.ttft_s = out.ttft_s if out.ttft_s is not None else time.perf_counter() - start
         if info.recomputed_tokens > 64 and out.ttft_s is not None:
             per_token = (out.ttft_s - info.fetch_s - info.decode_s) / info.recomputed_tokens
