@@ -65,6 +65,18 @@ class BlobHeader:
         return self.shape[1] * self.shape[3]
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A blob whose container and header ``KVCodec.check`` verified: ``decode`` takes it as it is."""
+
+    blob: bytes
+    header: BlobHeader
+    container: Container
+
+    def __len__(self) -> int:
+        return len(self.blob)
+
+
 class KVCodec:
     """Encode and decode KV chunks; one instance per (model, codec configuration, profile).
 
@@ -188,7 +200,7 @@ class KVCodec:
                 )
 
     # ---------------------------------------------------------------- decoding
-    def decode(self, blob: bytes, level: int | None = None, *, device: str | torch.device | None = None,
+    def decode(self, blob: bytes | Checked, level: int | None = None, *, device: str | torch.device | None = None,
                out: KVCache | None = None) -> KVCache:  # fmt: skip
         """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``.
 
@@ -199,11 +211,19 @@ class KVCodec:
         preallocated KV, in the model's dtype), returned; on the CPU with the native coder
         the substreams are then decoded and dequantised straight into it (``fused.py``).
         """
-        c = unpack(blob, self.limits, views=True)
-        h = self.check_header(c.header, len(blob), level)
+        checked = blob if isinstance(blob, Checked) else self.check(blob, level)
+        if level is not None and checked.header.level != level:
+            raise CacheGenFormatError(f"blob is at level {checked.header.level}, expected level {level}")
+        blob, h, c = checked.blob, checked.header, checked.container
         if out is not None and out.shape != h.shape:
             raise CacheGenFormatError(f"blob holds KV of shape {list(h.shape)}, the model's chunk is {list(out.shape)}")
         return self._reconstruct(h, c, self.device if device is None else torch.device(device), blob, out)
+
+    def check(self, blob: bytes, level: int | None = None) -> Checked:
+        """Verify a blob's container (every checksum) and header without decoding it: the cheap half of
+        ``decode``, which a fetch thread can do while the previous chunk decodes."""
+        c = unpack(blob, self.limits, views=True)
+        return Checked(blob, self.check_header(c.header, len(blob), level), c)
 
     def check_header(self, header: Mapping[str, Any], blob_bytes: int, level: int | None = None) -> BlobHeader:
         """Check a blob's header (of a blob of ``blob_bytes`` bytes) against this codec.
