@@ -198,3 +198,17 @@ def test_chat_stream_carries_usage_and_finish_reason_once(llm):
     assert full.usage_metadata["input_tokens"] == invoked.usage_metadata["input_tokens"]
     assert full.usage_metadata["output_tokens"] == invoked.usage_metadata["output_tokens"]
     assert full.response_metadata["model_name"] == "tiny"
+
+
+def test_with_default_settings_the_next_turn_reuses_the_last_without_flush(tiny_llama, tiny_tokenizer, tmp_path, monkeypatch):
+    """Default engine (disk store in the user cache, background writer, 1536-token chunks): the turn right
+    after a long first turn finds its complete chunks, nobody having waited for the writer."""
+    monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path))
+    chat = ChatCacheGen(llm=CacheGenLLM(engine=KVEngine(tiny_llama, tiny_tokenizer), generation_kwargs={"max_new_tokens": 4}))
+    history = [SystemMessage(words(70, 1700)), HumanMessage(words(71, 10))]
+    first = chat.invoke(history)
+    assert first.response_metadata["cached_tokens"] == 0
+    history += [first, HumanMessage(words(72, 10))]
+    second = chat.invoke(history)  # straight away: no flush()
+    assert second.response_metadata["cached_tokens"] >= 1536
+    chat.engine.flush()
