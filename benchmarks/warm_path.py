@@ -49,6 +49,7 @@ import torch
 from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl, setup_threads
 from cachegen_core.chunks import chunk_keys
 from cachegen_core.engine import KVEngine, hf
+from cachegen_core.engine.attention import use_gqa_attention
 from cachegen_core.kv import KVCache
 
 QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
     setup_threads()
     model, tok = load(args.model)
     model = model.to(args.device)
+    use_gqa_attention(model)  # as KVEngine.from_pretrained does; every policy, baselines included, runs on it
     texts = read_jsonl(args.data, "prompt")[10 : 10 + args.transcripts]
     out = open(args.out, "w") if args.out else None  # noqa: SIM115
     t_start = time.perf_counter()

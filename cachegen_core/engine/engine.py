@@ -36,6 +36,7 @@ from ..stores.base import KVStore
 from ..raw import RawCodec
 from ..streaming import LOSSLESS, RAW, RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
+from .attention import use_gqa_attention
 from .cost import CostModel
 from .info import GenerationInfo
 from .reader import ChunkReader, report
@@ -143,6 +144,7 @@ class KVEngine:
             if device is None and device_map is None:
                 device = "cpu"
             model, tok = load_model(path_or_model, dtype=dtype, device=device, device_map=device_map, model_kwargs=model_kwargs)
+            use_gqa_attention(model)  # a model of our own: its grouped KV heads read in place (attention.py)
             tokenizer = tokenizer or tok
         else:
             model = path_or_model
