@@ -15,6 +15,11 @@ them), the time from the request to the first generated token of:
 - ``cachegen-auto``: the engine as shipped (default stored options, no deadline: the fastest
   option at least as fine as the default level).
 
+``miss-path`` rows: the cost of storing on a miss. Several distinct contexts answered cold, one
+after the other, by an engine that stores them (its background writer running beside the next
+requests) and by the same engine with storing off; ``overhead`` is the ratio of their total
+latencies minus one.
+
 Stores: ``memory``, ``disk`` (diskcache in a temp dir), ``redis`` (a real redis-server on
 loopback), and the same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s. Every policy
 is warmed up (the engine learns its costs and the link) before it is timed; a row is the
@@ -44,6 +49,7 @@ import torch
 from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl, setup_threads
 from cachegen_core.chunks import chunk_keys
 from cachegen_core.engine import KVEngine, hf
+from cachegen_core.engine.attention import use_gqa_attention
 from cachegen_core.kv import KVCache
 
 QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
@@ -220,12 +226,14 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--quick", action="store_true", help="one 3K context, one transcript, one rep: under 10 minutes on 2 cores")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--miss-contexts", type=int, default=4, help="distinct contexts for the miss-path rows (0: none)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.contexts, args.transcripts, args.reps = [3072], 1, 1
+        args.contexts, args.transcripts, args.reps, args.miss_contexts = [3072], 1, 1, 2
     setup_threads()
     model, tok = load(args.model)
     model = model.to(args.device)
+    use_gqa_attention(model)  # as KVEngine.from_pretrained does; every policy, baselines included, runs on it
     texts = read_jsonl(args.data, "prompt")[10 : 10 + args.transcripts]
     out = open(args.out, "w") if args.out else None  # noqa: SIM115
     t_start = time.perf_counter()
@@ -238,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
                 for r in rows:
                     emit(r, out)
                 _summary(rows, store_kind, tokens, out)
+                if args.miss_contexts and store_kind in ("memory", "disk", "redis"):
+                    miss_texts = read_jsonl(args.data, "prompt")[12 : 12 + args.miss_contexts]
+                    emit(miss_path(args, model, tok, store_kind, urls.get(store_kind), tokens, miss_texts), out)
             print(f"# {tokens} tokens done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     if out is not None:
         out.close()
@@ -292,6 +303,44 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
             row["options"] = [r.get("options") for r in rs]
         rows.append(row)
     return rows
+
+
+class _NoStore:
+    """A store that keeps nothing: the engine then only computes (the miss path's baseline)."""
+
+    namespace, local = "", True
+
+    def get_many(self, keys: list[str]) -> list[None]:
+        return [None] * len(keys)
+
+    def get(self, key: str) -> None:
+        return None
+
+    def put(self, key: str, value: bytes) -> None:
+        pass
+
+    def put_many(self, items: Any) -> None:
+        pass
+
+
+def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, tokens: int, texts: list[str]) -> dict[str, Any]:
+    """Cold requests on distinct contexts, storing vs not storing, on a warm engine: the overhead of storing."""
+    prompts = [Context(model, tok, t, tokens, args.chunk_tokens).ids for t in texts]
+    with open_store(kind, url) as store:
+        storing = KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens)
+        plain = KVEngine(model, tok, storing.codec, _NoStore(), chunk_tokens=args.chunk_tokens, background=False)  # type: ignore[arg-type]
+        plain.generate(prompts[0][:64], max_new_tokens=1)  # warm engines: first-call costs paid
+        storing.generate(prompts[0][:64], max_new_tokens=1)
+        times: dict[str, list[float]] = {"plain": [], "storing": []}
+        for name, eng in (("plain", plain), ("storing", storing)):
+            for ids in prompts:
+                _, info = eng.generate(ids, max_new_tokens=8)
+                times[name].append(info.total_s)
+        storing.flush()
+    cold, base = sum(times["storing"]), sum(times["plain"])
+    return {"store": kind, "link_gbps": LINKS.get(kind), "context_tokens": tokens, "policy": "miss-path", "contexts": len(prompts),
+            "storing_s": round(cold, 3), "plain_s": round(base, 3), "overhead": round(cold / base - 1, 4),
+            "per_request_storing_s": [round(t, 3) for t in times["storing"]], "per_request_plain_s": [round(t, 3) for t in times["plain"]]}  # fmt: skip
 
 
 def _summary(rows: list[dict[str, Any]], store: str, tokens: int, out: Any) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from . import fused
 from .bitstats import encode_stats
 from .coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, default_coder, get_decoder
 from .config import CodecConfig
@@ -62,6 +63,18 @@ class BlobHeader:
     @property
     def channels(self) -> int:
         return self.shape[1] * self.shape[3]
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A blob whose container and header ``KVCodec.check`` verified: ``decode`` takes it as it is."""
+
+    blob: bytes
+    header: BlobHeader
+    container: Container
+
+    def __len__(self) -> int:
+        return len(self.blob)
 
 
 class KVCodec:
@@ -187,16 +200,30 @@ class KVCodec:
                 )
 
     # ---------------------------------------------------------------- decoding
-    def decode(self, blob: bytes, level: int | None = None, *, device: str | torch.device | None = None) -> KVCache:
+    def decode(self, blob: bytes | Checked, level: int | None = None, *, device: str | torch.device | None = None,
+               out: KVCache | None = None) -> KVCache:  # fmt: skip
         """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``.
 
         ``level``: when given, the level the blob must be at (a blob stored under another
         level's key is then a format error). ``device``: where to decode, instead of the
         codec's ``device`` (``BackendUnavailable`` when the blob's coder cannot decode there).
+        ``out``: the tensors to write into (of the blob's shape; e.g. a slice of a prompt's
+        preallocated KV, in the model's dtype), returned; on the CPU with the native coder
+        the substreams are then decoded and dequantised straight into it (``fused.py``).
         """
-        c = unpack(blob, self.limits)
-        h = self.check_header(c.header, len(blob), level)
-        return self._reconstruct(h, c, self.device if device is None else torch.device(device))
+        checked = blob if isinstance(blob, Checked) else self.check(blob, level)
+        if level is not None and checked.header.level != level:
+            raise CacheGenFormatError(f"blob is at level {checked.header.level}, expected level {level}")
+        blob, h, c = checked.blob, checked.header, checked.container
+        if out is not None and out.shape != h.shape:
+            raise CacheGenFormatError(f"blob holds KV of shape {list(h.shape)}, the model's chunk is {list(out.shape)}")
+        return self._reconstruct(h, c, self.device if device is None else torch.device(device), blob, out)
+
+    def check(self, blob: bytes, level: int | None = None) -> Checked:
+        """Verify a blob's container (every checksum) and header without decoding it: the cheap half of
+        ``decode``, which a fetch thread can do while the previous chunk decodes."""
+        c = unpack(blob, self.limits, views=True)
+        return Checked(blob, self.check_header(c.header, len(blob), level), c)
 
     def check_header(self, header: Mapping[str, Any], blob_bytes: int, level: int | None = None) -> BlobHeader:
         """Check a blob's header (of a blob of ``blob_bytes`` bytes) against this codec.
@@ -254,16 +281,38 @@ class KVCodec:
             model_fingerprint=h["model_fingerprint"],
         )
 
-    def _reconstruct(self, h: BlobHeader, c: Container, device: torch.device) -> KVCache:
+    def _reconstruct(self, h: BlobHeader, c: Container, device: torch.device, blob: bytes, out: KVCache | None) -> KVCache:
         """The KV of a blob whose header passed ``check_header``: check its sections and substreams,
-        decode them on ``device`` and dequantise there."""
-        layers, heads, tokens, _ = h.shape
+        decode them on ``device`` and dequantise there (into ``out`` when given)."""
+        layers, heads, tokens, dim = h.shape
         geo = ChunkGeometry.of(layers, tokens, h.channels, self.config)
         if len(c.streams) != geo.n_streams:
             raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {list(h.shape)} needs {geo.n_streams}")
         params, freqs = self._side_info(h, c)
-        decoder = self._decoder(h.coder, device)
         layout = stream_layout(geo, h.level, self._tables)
+        target = out if out is not None else None
+        if device.type == "cpu" and self.config.delta_scale in ("layer", "channel"):
+            target = out if out is not None else KVCache(torch.empty(h.shape, dtype=h.dtype), torch.empty(h.shape, dtype=h.dtype))
+            if fused.supports(h.coder, target):
+                fused.check_bound(params, 256 if self.config.anchor_offset == 0 else DELTA_RADIUS + 1, target.dtype)
+                layout.validate(freqs.shape[0])
+                fused.decode_into(blob, [len(p) for p in c.streams], layout.offsets, layout.table_ids, freqs, geo, params,
+                                  head_dim=dim, group_size=self.config.group_size, anchor_offset=self.config.anchor_offset,
+                                  min_anchor_symbol=0 if self.config.anchor_offset == 0 else DELTA_OFFSET - DELTA_RADIUS,
+                                  out=target)  # fmt: skip
+                return target
+        kv = self._reconstruct_torch(h, geo, params, freqs, layout, c, device)
+        if out is None:
+            return kv
+        out.keys.copy_(kv.keys)
+        out.values.copy_(kv.values)
+        return out
+
+    def _reconstruct_torch(self, h: BlobHeader, geo: ChunkGeometry, params: dict[str, torch.Tensor], freqs: np.ndarray,
+                           layout: StreamLayout, c: Container, device: torch.device) -> KVCache:  # fmt: skip
+        """Decode the symbols with the blob's coder on ``device`` and dequantise them with torch there."""
+        heads, tokens = h.shape[1], h.shape[2]
+        decoder = self._decoder(h.coder, device)
         try:
             symbols = decoder.decode_symbols(c.streams, layout, freqs)
         except CoderError:

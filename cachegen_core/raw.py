@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,19 @@ def raw_dtype(kv: KVCache) -> torch.dtype:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class RawChecked:
+    """A raw blob whose container and header ``RawCodec.check`` verified."""
+
+    blob: bytes
+    option: str
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+
+    def __len__(self) -> int:
+        return len(self.blob)
 
 
 class RawCodec:
@@ -74,25 +88,35 @@ class RawCodec:
         header = {"codec": CODEC, "option": option, "dtype": _name(dtype), "shape": list(kv.shape), "model_fingerprint": self.fingerprint}
         return pack(header, {}, streams)
 
-    def decode(self, blob: bytes, option: str = RAW, *, out: KVCache | None = None) -> KVCache:
-        """The KV of a raw blob stored as ``option``, written into ``out`` (same shape) when given.
-
-        ``CacheGenFormatError`` for anything but a well-formed blob of this model and option.
-        """
+    def check(self, blob: bytes, option: str = RAW) -> RawChecked:
+        """Verify a raw blob's container (every checksum) and header: all of ``decode`` but the copy,
+        which a fetch thread can do while the previous chunk decodes."""
         c = unpack(blob, self.limits, views=True)
         shape, dtype = self._check(c.header, option, len(c.streams))
         layers, heads, tokens, dim = shape
         per_layer = heads * tokens * dim * torch.empty((), dtype=dtype).element_size()
         if any(len(s) != per_layer for s in c.streams):
             raise CacheGenFormatError(f"raw substreams must hold {per_layer} bytes each for shape {list(shape)}")
+        return RawChecked(blob, option, shape, dtype)
+
+    def decode(self, blob: bytes | RawChecked, option: str = RAW, *, out: KVCache | None = None) -> KVCache:
+        """The KV of a raw blob stored as ``option``, written into ``out`` (same shape) when given.
+
+        ``CacheGenFormatError`` for anything but a well-formed blob of this model and option.
+        """
+        checked = blob if isinstance(blob, RawChecked) else self.check(blob, option)
+        if checked.option != option:
+            raise CacheGenFormatError(f"blob is stored as {checked.option!r}, expected {option!r}")
+        layers, heads, tokens, dim = shape = checked.shape
         if out is not None and (out.shape != tuple(shape)):
             raise KVShapeError(f"raw blob of shape {list(shape)} does not fit a buffer of shape {out.shape}")
-        start = len(blob) - 2 * layers * per_layer  # the payloads, contiguous, end the blob (unpack checked it)
+        n = layers * heads * tokens * dim
+        start = len(checked.blob) - 2 * n * checked.dtype.itemsize  # the payloads, contiguous, end the blob
         parts = []
         for kind in range(2):
             with warnings.catch_warnings():  # a bytes blob is read-only: it is only ever read from here
                 warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(blob, dtype=dtype, count=layers * heads * tokens * dim, offset=start + kind * layers * per_layer)
+                src = torch.frombuffer(checked.blob, dtype=checked.dtype, count=n, offset=start + kind * n * checked.dtype.itemsize)
             src = src.view(layers, heads, tokens, dim)
             if out is None:
                 parts.append(src.clone())

@@ -15,7 +15,7 @@ LAYERS = [
     {"errors", "paths"},
     {"kv", "chunks", "manifest", "format", "quantize", "config", "fingerprint", "models", "raw", "segments"},
     {"coders"},
-    {"substreams", "profile", "bitstats", "codec", "limits"},
+    {"substreams", "profile", "bitstats", "fused", "codec", "limits"},
     {"stores"},
     {"settings", "progress", "metrics", "prometheus"},
     {"streaming"},

@@ -194,3 +194,34 @@ def test_levels_decode_where_the_model_is_when_the_coder_can_and_on_the_cpu_othe
 
     monkeypatch.setitem(registry.DEVICE_DECODERS, (engine.codec.coder.name, "cuda"), FakeGpuDecoder)
     assert engine.reader.use_device(torch.device("cuda")) is None and engine.reader.decode_device.type == "cuda"
+
+
+def test_finish_reason_says_why_generation_ended(engine):
+    prompt = words(60, 40)
+    text, info = engine.generate(prompt, max_new_tokens=6)
+    assert info.finish_reason == "length" and info.new_tokens == 6 and info.stop_sequence is None
+    stop = text.split()[2]
+    _, info = engine.generate(prompt, max_new_tokens=6, stop=[stop])
+    assert info.finish_reason == "stop" and info.stop_sequence == stop and info.new_tokens < 6
+
+
+def test_gqa_attention_gives_sdpas_results_without_copying_kv_heads(tiny_tokenizer):
+    """The attention the engine gives models it loads: the same logits as transformers' sdpa, on a prompt and
+    on a question after a reused cache (where sdpa copies the KV heads)."""
+    from cachegen_core.engine import hf
+    from cachegen_core.engine.attention import NAME, use_gqa_attention
+
+    base, gqa = make_tiny_llama(seed=4), make_tiny_llama(seed=4)
+    base.set_attn_implementation("sdpa")
+    gqa.set_attn_implementation("sdpa")
+    assert use_gqa_attention(gqa) and gqa.config._attn_implementation == NAME
+    ids = tiny_tokenizer(words(80, 150))["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(base(torch.tensor([ids])).logits, gqa(torch.tensor([ids])).logits, atol=1e-5)
+        past = hf.prefill(base, ids[:140])
+        a = base(torch.tensor([ids[140:]]), past_key_values=hf.model_cache(base, past)).logits
+        b = gqa(torch.tensor([ids[140:]]), past_key_values=hf.model_cache(gqa, past)).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    mha = make_tiny_llama(seed=4, kv_heads=4)
+    mha.set_attn_implementation("sdpa")
+    assert not use_gqa_attention(mha)  # nothing to gain without grouped heads: left as it is

@@ -106,10 +106,64 @@ def test_the_next_request_finds_the_raw_form_before_the_levels_are_written(tiny_
     from cachegen_core.manifest import Manifest, manifest_key
 
     for c in e.chunks(prompt):  # and afterwards every chunk is complete: raw form and levels
-        assert Manifest.from_bytes(e.store.get(manifest_key(c.key))).options == ["raw", 1, 3]
+        assert Manifest.from_bytes(e.store.get(manifest_key(c.key))).options == ["raw", 1]
 
 
-def test_a_model_in_float16_stores_its_exact_kv_by_default(tiny_tokenizer):
+def test_default_forms_stored(tiny_llama, tiny_tokenizer):
+    """The exact 16-bit form and the level; the coarsest level too when a deadline may need it."""
     model = make_tiny_llama(dtype=torch.float16)
-    e = KVEngine(model, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, background=False)
-    assert e.store_options[0] == "lossless"
+    assert KVEngine(model, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["lossless", 1]
+    assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["raw", 1]
+    assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), slo_s=1.0, background=False).store_options == ["raw", 1, 3]
+    assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), level="raw", background=False).store_options == ["raw"]
+
+
+def test_forged_raw_headers_are_typed_errors_or_consistent(tiny_kv):
+    """Well-formed, re-checksummed raw blobs with any header field changed (an attacker with write access
+    to the store, without a signing key): a typed error, or KV of exactly the header's shape and dtype."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from cachegen_core.errors import CacheGenError
+    from cachegen_core.testing.fuzz.blobs import repack_header
+
+    rc = RawCodec("fp")
+    blob = rc.encode(tiny_kv.slice(0, 6), "raw")
+    values = st.one_of(st.none(), st.booleans(), st.integers(-2, 1 << 40), st.text(max_size=8),
+                       st.lists(st.integers(-1, 70000), max_size=5), st.sampled_from(["float32", "float16", "bfloat16", "raw", "lossless"]))
+
+    @settings(max_examples=300, deadline=None)
+    @given(field=st.sampled_from(["codec", "option", "dtype", "shape", "model_fingerprint", "n_streams", "extra"]), value=values)
+    def check(field, value):
+        forged = repack_header(blob, lambda h: h.__setitem__(field, value))
+        try:
+            kv = rc.decode(forged, "raw")
+        except (CacheGenError, ValueError):
+            return
+        assert kv.shape == tuple(tiny_kv.slice(0, 6).shape) and kv.dtype in (torch.float16, torch.bfloat16)
+
+    check()
+
+
+def test_manifests_from_the_store_parse_or_are_typed_errors():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from cachegen_core.manifest import Manifest
+
+    json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6)),
+                               lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=6), v, max_size=3), max_leaves=10)
+
+    @settings(max_examples=300, deadline=None)
+    @given(options=st.dictionaries(st.text(max_size=9), json_values, max_size=5), raw=st.binary(max_size=64))
+    def check(options, raw):
+        import json
+
+        for data in (json.dumps({"format": "cachegen-manifest-v1", "options": options}).encode(), raw):
+            try:
+                m = Manifest.from_bytes(data)
+            except CacheGenFormatError:
+                continue
+            assert all((o in ("raw", "lossless") or (isinstance(o, int) and 0 <= o <= 63)) and n > 0 for o, n in m.sizes.items())
+
+    check()

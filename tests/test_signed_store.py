@@ -80,7 +80,7 @@ def _count_decodes(eng: KVEngine) -> list[bytes]:
     real = eng.codec.decode
 
     def decode(blob, *args, **kwargs):
-        seen.append(bytes(blob))
+        seen.append(bytes(getattr(blob, "blob", blob)))  # a verified blob (Checked) or its bytes
         return real(blob, *args, **kwargs)
 
     eng.codec.decode = decode

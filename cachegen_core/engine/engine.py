@@ -38,6 +38,7 @@ from ..segments import SegmentedPrompt, document_spans, tokenize_parts
 from ..streaming import LOSSLESS, RAW, RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
 from .blend import BlendConfig
+from .attention import use_gqa_attention
 from .cost import CostModel
 from .documents import DocumentCaches, Reused
 from .info import GenerationInfo
@@ -54,8 +55,8 @@ class KVEngine:
     deadline: a compression level (default: the codec's default), ``"raw"`` (16-bit KV) or
     ``"lossless"`` (the KV exactly: answers identical to no cache). ``store_options``: what a
     miss writes, levels and raw forms (default: the exact 16-bit form — ``"lossless"`` for a
-    16-bit model, else ``"raw"`` — plus ``level`` and the coarsest level; ``["lossless"]`` for
-    ``level="lossless"``). Without ``slo_s`` each cached chunk is streamed in the option
+    16-bit model, else ``"raw"`` — plus ``level``, and with ``slo_s`` the coarsest level;
+    ``["lossless"]`` for ``level="lossless"``). Without ``slo_s`` each cached chunk is streamed in the option
     predicted to finish the prompt's chunks first among those at least as fine as ``level``
     (or prefilled as text); with ``slo_s`` (seconds to fetch and decode them) the controller
     picks, chunk by chunk, the finest stored option that meets the deadline at the bandwidth
@@ -102,7 +103,7 @@ class KVEngine:
         self.level = self.codec.config.default_level if level is None else level
         if self.level not in (*RAW_OPTIONS, *self.codec.levels):
             raise ValueError(f"level {self.level!r} is neither a raw form {RAW_OPTIONS} nor in {self.codec.levels}")
-        self.store_options = list(store_options) if store_options is not None else self._default_options()
+        self.store_options = list(store_options) if store_options is not None else self._default_options(slo_s)
         if not any(rank(o) <= rank(self.level) for o in self.store_options):
             raise ValueError(f"store_options {self.store_options} hold nothing as fine as level {self.level!r}")
         self.add_special_tokens = add_special_tokens
@@ -154,6 +155,7 @@ class KVEngine:
             if device is None and device_map is None:
                 device = "cpu"
             model, tok = load_model(path_or_model, dtype=dtype, device=device, device_map=device_map, model_kwargs=model_kwargs)
+            use_gqa_attention(model)  # a model of our own: its grouped KV heads read in place (attention.py)
             tokenizer = tokenizer or tok
         else:
             model = path_or_model
@@ -170,11 +172,13 @@ class KVEngine:
             profile = Profile.load(profile)
         return cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
 
-    def _default_options(self) -> list[Option]:
+    def _default_options(self, slo_s: float | None) -> list[Option]:
+        """The exact 16-bit form and ``level``; with a deadline also the coarsest level, the one the
+        controller falls back to on a slow link (without one, nothing coarser than ``level`` is used)."""
         if self.level in RAW_OPTIONS:
             return [self.level]
         exact16 = hf.model_dtype(self.model) in (torch.float16, torch.bfloat16)
-        return list(dict.fromkeys([LOSSLESS if exact16 else RAW, self.level, self.codec.levels[-1]]))
+        return list(dict.fromkeys([LOSSLESS if exact16 else RAW, self.level, *([self.codec.levels[-1]] if slo_s else [])]))
 
     @property
     def store(self) -> KVStore:
@@ -196,12 +200,10 @@ class KVEngine:
             raise ValueError("empty context: nothing to compute")
         return ids
 
-    def segment(self, parts: Sequence[tuple[str, bool]], *, add_special_tokens: bool | None = None) -> SegmentedPrompt:
+    def segment(self, parts: Sequence[tuple[str, bool]]) -> SegmentedPrompt:
         """A prompt from ``(text, is_document)`` parts, each tokenised on its own (a document's tokens do not
-        depend on what surrounds it); the tokenizer's leading special tokens first when ``add_special_tokens``
-        (default: the engine's)."""
-        specials = self.add_special_tokens if add_special_tokens is None else add_special_tokens
-        return tokenize_parts(self.tokenizer, parts, add_special_tokens=specials)
+        depend on what surrounds it), after the tokenizer's leading special tokens if the engine adds them."""
+        return tokenize_parts(self.tokenizer, parts, add_special_tokens=self.add_special_tokens)
 
     def chunks(self, context: str | Sequence[int]) -> list[Chunk]:
         """The complete chunks of a context, with their store keys."""
@@ -357,6 +359,7 @@ class KVEngine:
         with self._lock:
             out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer, filled=covered)
         info.new_tokens = out.new_tokens
+        info.finish_reason, info.stop_sequence = out.finish_reason, out.stop_sequence
         info.ttft_s = out.ttft_s if out.ttft_s is not None else time.perf_counter() - start
         if info.recomputed_tokens > 64 and out.ttft_s is not None and not computed:
             per_token = (out.ttft_s - info.fetch_s - info.decode_s) / info.recomputed_tokens

@@ -165,12 +165,16 @@ def stop_criterion(tokenizer: Any, stops: Sequence[str], prompt_len: int) -> Any
 
 @dataclass(frozen=True)
 class Generated:
-    """A generation's text, the model's cache after it, new token count and first-token time (None if none)."""
+    """A generation's text, the model's cache after it, new token count, first-token time (None if none),
+    and why it ended: ``"stop"`` (an end-of-sequence token, or the stop string ``stop_sequence``) or
+    ``"length"`` (the token limit)."""
 
     text: str
     cache: Any
     new_tokens: int
     ttft_s: float | None
+    finish_reason: str = "stop"
+    stop_sequence: str | None = None
 
 
 @torch.no_grad()
@@ -212,4 +216,10 @@ def generate(
         **kwargs,
     )
     new = out.sequences[0, len(ids) :]
-    return Generated(tokenizer.decode(new, skip_special_tokens=True), out.past_key_values, int(new.numel()), timer.ttft)
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) is not None else None
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    hit = min(((text.find(s), s) for s in stops if s in text), default=(-1, None))[1]
+    limit = kwargs.get("max_new_tokens")
+    ended = (new.numel() > 0 and int(new[-1]) in eos_ids) or hit is not None or (limit is not None and new.numel() < limit)
+    return Generated(text, out.past_key_values, int(new.numel()), timer.ttft, "stop" if ended else "length", hit)

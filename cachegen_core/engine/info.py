@@ -18,6 +18,8 @@ class GenerationInfo:
     ``partial_tokens``: tokens reused from a partial chunk (the stored tail of an earlier prompt);
     ``documents``: marked documents after the reused prefix, ``documents_reused`` of them found in the
     store; ``blend_recomputed``: tokens the selective recompute computed (``blend_s`` seconds).
+    ``finish_reason``: ``"stop"`` (end of sequence, or the stop string ``stop_sequence``) or
+    ``"length"`` (the token limit).
     """
 
     prompt_tokens: int = 0
@@ -39,6 +41,8 @@ class GenerationInfo:
     documents_reused: int = 0
     blend_recomputed: int = 0
     blend_s: float = 0.0
+    finish_reason: str | None = None
+    stop_sequence: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

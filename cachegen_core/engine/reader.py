@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..chunks import Chunk, blob_key
-from ..codec import KVCodec
+from ..codec import Checked, KVCodec
 from ..errors import BackendUnavailable, BlobMissing, CacheGenFormatError, StoreError
 from ..kv import KVCache, KVShapeError
 from ..manifest import Manifest, manifest_key
-from ..raw import RawCodec
+from ..raw import RawChecked, RawCodec
 from ..stores.base import KVStore
 from ..streaming import RAW_OPTIONS, TEXT, Controller, Estimator, Option, StreamFailure, rank, stream_batch
 from .cost import CostModel
@@ -129,14 +129,15 @@ class ChunkReader:
                 return c, manifest
         return None
 
-    def fetch(self, key: str, option: Option) -> bytes:
-        """The blob of chunk ``key`` stored as ``option``; ``BlobMissing`` when it is not (or no longer) stored."""
+    def fetch(self, key: str, option: Option) -> Checked | RawChecked:
+        """The blob of chunk ``key`` stored as ``option``, its checksums and header verified (in the stream's
+        fetch thread, beside the previous chunk's decode); ``BlobMissing`` when it is not (or no longer) stored."""
         blob = self.store.get(blob_key(key, option))
         if blob is None:
             raise BlobMissing(f"chunk {key[:12]} as {option} is not in the store")
-        return blob
+        return self.raw.check(blob, option) if option in RAW_OPTIONS else self.codec.check(blob, option)  # type: ignore[arg-type]
 
-    def decode(self, blob: bytes, key: str, option: Option, out: KVCache | None = None) -> KVCache:
+    def decode(self, blob: bytes | Checked | RawChecked, key: str, option: Option, out: KVCache | None = None) -> KVCache:
         """The chunk's KV (written into ``out`` when given), checked against the model's geometry (and
         ``out``'s tokens); its cost goes into the cost model."""
         t = time.perf_counter()
@@ -204,7 +205,7 @@ class ChunkReader:
             if tail is not None:
                 runs[-1].append(tail[0])
                 found.append(tail[1])
-            for c, m in zip(chunks, found):
+            for c, m in zip(runs[-1], found):
                 manifests[c.key] = m
                 owner.setdefault(c.key, (c, p))
         if not manifests:
