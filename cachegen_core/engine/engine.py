@@ -298,7 +298,7 @@ class KVEngine:
             info.prompt_tokens = len(ids)
         controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token,
                                 allow_text=self.allow_text, floor=self.level)  # fmt: skip
-        partials = [self._partials(ids) for ids in all_ids] if self._partial_sizes else None
+        partials = [self._partials(ids) for ids in all_ids] if 0 < self.partial_step < self.chunk_tokens else None
         covered = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
                                      estimator=self.estimator, prefill=self._prefill, partials=partials)  # fmt: skip
         for done, info in zip(covered, infos):
@@ -308,9 +308,9 @@ class KVEngine:
         if self.documents is not None and any(spans):
             reused = self.documents.reuse(all_ids, spans, buffers, covered, infos, controller)
         out, seen = [], set()
-        for ids, chunks, buffer, done, r, info in zip(all_ids, all_chunks, buffers, covered, reused, infos):
+        for prompt, ids, chunks, buffer, done, r, info in zip(prompts, all_ids, all_chunks, buffers, covered, reused, infos):
             text, _ = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer, computed=r.computed)
-            self._store_new_chunks(chunks, done, buffer, info, ids, r.exact)
+            self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt))
             if self.documents is not None and r.missing:
                 self.documents.store(ids, r, info, seen)
             info.total_s = time.perf_counter() - start
@@ -329,10 +329,6 @@ class KVEngine:
     def stream_options(self) -> list[Option]:
         """What the controller may fetch: every stored option (finest first)."""
         return sorted(self.store_options, key=rank)
-
-    @property
-    def _partial_sizes(self) -> bool:
-        return 0 < self.partial_step < self.chunk_tokens
 
     def _partials(self, ids: list[int]) -> Callable[[int], list[Chunk]]:
         """The partial chunks of ``ids`` that may follow a run of complete chunks ending at a token."""
@@ -367,13 +363,16 @@ class KVEngine:
                 self.cost_model.observe_prefill(per_token)
         return out.text, out.cache
 
-    def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo, ids: Sequence[int], exact: int) -> None:
-        """Hand the writer the complete chunks computed (not fetched) in this request and the partial chunk after
-        them, as views of the request's buffer (which the model filled in place and nobody writes to any more);
-        none past ``exact`` (where reused documents made the KV approximate)."""
+    def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo, ids: Sequence[int],
+                          exact: int, spans: Sequence[tuple[int, int]] = ()) -> None:  # fmt: skip
+        """Hand the writer the complete chunks computed (not fetched) in this request and the partial chunks ending
+        before ``exact`` (past it reused documents made the KV approximate) and before the first document, as views
+        of the request's buffer (which the model filled in place and nobody writes to any more)."""
         limit = min(exact, len(ids))
-        partial = self._partials(list(ids[:limit]))(limit - limit % self.chunk_tokens) if self._partial_sizes else []
-        for c in [*chunks, *partial[-1:]]:
+        partial = []
+        for end in sorted({limit, *(s for s, _ in spans[:1] if s < limit)}) if 0 < self.partial_step < self.chunk_tokens else ():
+            partial += self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:]
+        for c in [*chunks, *partial]:
             if c.end <= done or c.end > limit:
                 continue
             try:

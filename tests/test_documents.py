@@ -1,0 +1,161 @@
+"""Document caches and partial chunks through the engine, on the tiny Llama: every reusable token reused."""
+
+import math
+
+import pytest
+import torch
+from langchain_core.documents import Document
+from langchain_core.messages import HumanMessage, SystemMessage
+
+from cachegen_core.chunks import blob_key
+from cachegen_core.codec import KVCodec
+from cachegen_core.config import CodecConfig
+from cachegen_core.engine import KVEngine
+from cachegen_core.engine.blend import BlendConfig
+from cachegen_core.segments import SegmentedPrompt
+from cachegen_core.stores.memory import MemoryStore
+from cachegen_core.testing import make_tiny_llama, words
+from langchain_cachegen import CacheGenLLM, ChatCacheGen, format_documents
+from langchain_cachegen.documents import split_marked
+
+DOCS = [words(40 + i, 90) for i in range(4)]
+
+
+def _engine(model, tok, store=None, **kw) -> KVEngine:
+    kw = {"chunk_tokens": 64, "level": "raw", "background": False, "partial_step": 16, **kw}
+    return KVEngine(model, tok, store=store if store is not None else MemoryStore(), **kw)
+
+
+def _prompt(engine: KVEngine, question: str, docs: list[str]) -> SegmentedPrompt:
+    parts = [(f"context for {question}", False)]
+    for d in docs:
+        parts += [(d, True), ("next", False)]
+    return engine.segment([*parts, (question, False)])
+
+
+def _greedy(model, ids, n: int = 6) -> list[int]:
+    x = torch.tensor([list(ids)])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, x.shape[1] :].tolist()
+
+
+def _doc_blobs(engine: KVEngine, doc: str) -> list[str]:
+    pieces = engine.documents.pieces(engine.tokenizer(doc, add_special_tokens=False)["input_ids"])
+    return [blob_key(c.key, engine.level) for c in pieces]
+
+
+def test_documents_in_another_order_and_combination_hit(tiny_llama, tiny_tokenizer):
+    engine = _engine(tiny_llama, tiny_tokenizer)
+    _, first = engine.generate(_prompt(engine, "q1", DOCS[:3]), max_new_tokens=2)
+    assert first.documents == 3 and first.documents_reused == 0 and first.chunks_queued > 0  # computed, then stored
+    prompt = _prompt(engine, "q2 is another question", [DOCS[2], DOCS[3], DOCS[0]])
+    _, info = engine.generate(prompt, max_new_tokens=2)
+    assert info.documents == 3 and info.documents_reused == 2  # DOCS[3] is new: computed in place
+    assert info.blend_recomputed == 90 + 2 + math.ceil(0.15 * 180)  # the new document, the text between, 15 %
+    assert info.cached_tokens == 180 - math.ceil(0.15 * 180)  # the two cached documents less what the blend redid
+    _, again = engine.generate(_prompt(engine, "q3", [DOCS[3], DOCS[1], DOCS[2]]), max_new_tokens=2)
+    assert again.documents_reused == 3 and not again.errors
+
+
+def test_recompute_ratio_one_answers_as_full_prefill(tiny_llama, tiny_tokenizer):
+    engine = _engine(tiny_llama, tiny_tokenizer, blend=BlendConfig(recompute_ratio=1.0))
+    engine.store_documents(DOCS[:2])
+    prompt = _prompt(engine, "which one", [DOCS[1], DOCS[0]])
+    text, info = engine.generate(prompt, max_new_tokens=6)
+    assert info.documents_reused == 2 and info.blend_recomputed == 180 + 1  # every document token, and the text between
+    assert engine.tokenizer(text, add_special_tokens=False)["input_ids"] == _greedy(tiny_llama, prompt.ids)
+
+
+def test_ratio_zero_is_concatenation_and_differs_from_full_prefill_kv(tiny_llama, tiny_tokenizer):
+    engine = _engine(tiny_llama, tiny_tokenizer, blend=BlendConfig(recompute_ratio=0.0))
+    engine.store_documents(DOCS[:2])
+    _, info = engine.generate(_prompt(engine, "which one", [DOCS[1], DOCS[0]]), max_new_tokens=2)
+    assert info.documents_reused == 2 and info.blend_recomputed == 1 and info.cached_tokens == 180
+
+
+def test_the_prefix_before_the_documents_is_stored_and_reused_exactly(tiny_llama, tiny_tokenizer):
+    engine = _engine(tiny_llama, tiny_tokenizer)
+    lead = words(60, 100)
+    engine.generate(engine.segment([(lead, False), (DOCS[0], True), ("q", False)]), max_new_tokens=2)
+    _, info = engine.generate(engine.segment([(lead, False), (DOCS[1], True), ("q", False)]), max_new_tokens=2)
+    assert info.partial_tokens == 100 + 1 - 64 - (100 + 1 - 64) % 16  # the chunk of 64, then a 32-token partial
+    assert info.levels == ["raw", "raw"]
+
+
+@pytest.mark.parametrize("variant", ["model", "codec"])
+def test_document_caches_of_another_model_or_codec_are_never_used(tiny_llama, tiny_tokenizer, variant):
+    store = MemoryStore()
+    _engine(tiny_llama, tiny_tokenizer, store).store_documents(DOCS[:2])
+    if variant == "model":
+        other = _engine(make_tiny_llama(seed=1), tiny_tokenizer, store)
+    else:
+        other = _engine(tiny_llama, tiny_tokenizer, store, codec=KVCodec(CodecConfig(group_size=5)), level=0, store_options=[0])
+    _, info = other.generate(_prompt(other, "q", DOCS[:2]), max_new_tokens=2)
+    assert info.documents == 2 and info.documents_reused == 0 and info.cached_tokens == 0
+
+
+def test_a_document_blob_under_another_models_key_is_rejected(tiny_llama, tiny_tokenizer):
+    """Keys bind model and codec; so does every blob: a blob copied under another engine's key never decodes."""
+    store = MemoryStore()
+    mine = _engine(tiny_llama, tiny_tokenizer, store)
+    mine.store_documents(DOCS[:1])
+    other = _engine(make_tiny_llama(seed=1), tiny_tokenizer, store)
+    other.store_documents(DOCS[:1])
+    for a, b in zip(_doc_blobs(mine, DOCS[0]), _doc_blobs(other, DOCS[0])):
+        store.put(b, store.get(a))
+    prompt = _prompt(other, "q", DOCS[:1])
+    text, info = other.generate(prompt, max_new_tokens=6)
+    assert info.documents_reused == 0 and any("document piece" in e for e in info.errors)
+    assert other.tokenizer(text, add_special_tokens=False)["input_ids"] == _greedy(other.model, prompt.ids)
+
+
+def test_a_corrupted_document_blob_degrades_to_recompute(tiny_llama, tiny_tokenizer):
+    engine = _engine(tiny_llama, tiny_tokenizer)
+    engine.store_documents(DOCS[:1])
+    key = _doc_blobs(engine, DOCS[0])[0]
+    blob = bytearray(engine.store.get(key))
+    blob[len(blob) // 2] ^= 0xFF
+    engine.store.put(key, bytes(blob))
+    prompt = _prompt(engine, "q", DOCS[:1])
+    text, info = engine.generate(prompt, max_new_tokens=6)
+    assert info.documents_reused == 0 and any("bad blob" in e for e in info.errors)
+    assert engine.tokenizer(text, add_special_tokens=False)["input_ids"] == _greedy(tiny_llama, prompt.ids)
+
+
+def test_a_short_prompt_is_reused_by_the_next_prompt_extending_it(tiny_llama, tiny_tokenizer):
+    engine = _engine(tiny_llama, tiny_tokenizer, chunk_tokens=1536)
+    first = words(61, 50)
+    engine.generate(first, max_new_tokens=2)
+    _, info = engine.generate(first + " " + words(62, 20), max_new_tokens=2)
+    assert info.cached_tokens == 48 and info.partial_tokens == 48  # BOS + 50 words, rounded down to 16s
+    _, off = _engine(tiny_llama, tiny_tokenizer, chunk_tokens=1536, partial_step=0).generate(first, max_new_tokens=2)
+    assert off.cached_tokens == 0
+
+
+def test_a_chats_next_turn_recomputes_only_what_it_added(tiny_llama, tiny_tokenizer, tmp_path, monkeypatch):
+    """Default engine settings (1536-token chunks, 64-token partial steps, background writer, disk store)."""
+    monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path))
+    chat = ChatCacheGen(llm=CacheGenLLM(engine=KVEngine(tiny_llama, tiny_tokenizer), generation_kwargs={"max_new_tokens": 4}))
+    history = [SystemMessage(words(80, 1000)), HumanMessage(words(81, 30))]
+    last = 0
+    for turn in range(4):
+        answer = chat.invoke(history)
+        meta = answer.response_metadata
+        if turn:
+            added = meta["prompt_tokens"] - last
+            assert meta["recomputed_tokens"] <= added + 64 and meta["cached_tokens"] >= last - 64
+        last = meta["prompt_tokens"]
+        history += [answer, HumanMessage(words(82 + turn, 300))]  # crosses the 1536-token chunk boundary
+    assert last > 1536
+    chat.engine.flush()
+
+
+def test_format_documents_marks_each_document_and_the_llm_splits_them(tiny_llama, tiny_tokenizer):
+    text = format_documents([Document(page_content=DOCS[0]), DOCS[1]])
+    assert [d for _, d in split_marked(f"before {text} after")] == [False, True, False, True, False]
+    llm = CacheGenLLM(engine=_engine(tiny_llama, tiny_tokenizer), generation_kwargs={"max_new_tokens": 2})
+    llm.invoke(f"q {text} a")
+    result = llm.generate([f"other {format_documents([DOCS[1], DOCS[0]])} b"])
+    info = result.generations[0][0].generation_info
+    assert info["documents"] == 2 and info["documents_reused"] == 2
