@@ -159,3 +159,15 @@ def test_format_documents_marks_each_document_and_the_llm_splits_them(tiny_llama
     result = llm.generate([f"other {format_documents([DOCS[1], DOCS[0]])} b"])
     info = result.generations[0][0].generation_info
     assert info["documents"] == 2 and info["documents_reused"] == 2
+
+
+def test_prompt_kv_builds_the_kv_a_request_would_use(tiny_llama, tiny_tokenizer):
+    prompt_of = lambda e: _prompt(e, "q", [DOCS[1], DOCS[0]])  # noqa: E731
+    full = _engine(tiny_llama, tiny_tokenizer, blend=None)
+    exact, _ = full.prompt_kv(prompt_of(full))
+    for ratio, close in ((1.0, True), (0.0, False)):
+        engine = _engine(tiny_llama, tiny_tokenizer, blend=BlendConfig(recompute_ratio=ratio))
+        engine.store_documents(DOCS[:2])
+        kv, info = engine.prompt_kv(prompt_of(engine))
+        assert info.documents_reused == 2 and kv.num_tokens == exact.num_tokens
+        assert torch.allclose(kv.values, exact.values, atol=1e-4) is close

@@ -258,10 +258,13 @@ class DocumentCaches:
             except CacheGenError as err:
                 report(info, f"storing a document failed: {err}")
 
-    def store_documents(self, documents: Sequence[Sequence[int]]) -> list[str]:
-        """Compute and write (now) the pieces of each document; returns their keys."""
+    def store_documents(self, documents: Sequence[str | Sequence[int]]) -> list[str]:
+        """Compute and write (now) the pieces of each document (text or token ids); returns their keys."""
         keys = []
-        for doc in documents:
+        tok = self.engine.tokenizer
+        for doc in (list(tok(d, add_special_tokens=False)["input_ids"]) if isinstance(d, str) else list(d) for d in documents):
+            if not doc:
+                continue
             kv = self.compute(doc)
             for c in self.pieces(doc):
                 self.engine.writer.write(c, kv.slice(c.start, c.end))

@@ -1,14 +1,11 @@
 """KVEngine: the four operations of CacheGen over a model, a codec and a store.
 
-``calculate_kv`` prefills a context; ``store_kv`` encodes its complete chunks at every
-stored level and puts them in the store; ``get_kv`` fetches and decodes chunks; and
-``generate_with_kv`` generates on top of a decoded KV, prefilling only the tokens it
-does not cover. ``generate`` ties them together like a prefix cache: the chunk
-manifests of the prompt are looked up in one request, the longest run of leading
-chunks found is streamed (fetched and decoded, or prefilled as text on the controller's
-word), the rest of the prompt is prefilled by the model, and new complete chunks go to
-the :class:`ChunkWriter`, off the request's path; the :class:`ChunkReader` does the reading. A store error or a bad blob is logged
-and the chunk recomputed: never a crash, never a wrong answer.
+``calculate_kv`` prefills a context; ``store_kv`` encodes its complete chunks and stores them; ``get_kv``
+fetches and decodes chunks; ``generate_with_kv`` generates on top of a decoded KV. ``generate`` ties them
+together: the longest run of leading chunks stored (and the partial chunk after it) is streamed by the
+:class:`ChunkReader`, the documents of a :class:`SegmentedPrompt` come from their document caches
+(``documents.py``), the rest is prefilled, and new chunks go to the :class:`ChunkWriter`, off the request's
+path. A store error or a bad blob is logged and recomputed: never a crash, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -201,8 +198,7 @@ class KVEngine:
         return ids
 
     def segment(self, parts: Sequence[tuple[str, bool]]) -> SegmentedPrompt:
-        """A prompt from ``(text, is_document)`` parts, each tokenised on its own (a document's tokens do not
-        depend on what surrounds it), after the tokenizer's leading special tokens if the engine adds them."""
+        """A prompt from ``(text, is_document)`` parts, each tokenised on its own (``segments.tokenize_parts``)."""
         return tokenize_parts(self.tokenizer, parts, add_special_tokens=self.add_special_tokens)
 
     def chunks(self, context: str | Sequence[int]) -> list[Chunk]:
@@ -227,12 +223,9 @@ class KVEngine:
         return [c.key for c in chunks]
 
     def store_documents(self, documents: Sequence[str | Sequence[int]]) -> list[str]:
-        """Compute each document's KV on its own and store it (now), so that any later prompt holding it as a
-        document reuses it wherever it lands; returns the stored pieces' keys ([] with ``blend=None``)."""
-        if self.documents is None:
-            return []
-        docs = [list(self.tokenizer(d, add_special_tokens=False)["input_ids"]) if isinstance(d, str) else list(d) for d in documents]
-        return self.documents.store_documents([d for d in docs if d])
+        """Compute each document's KV on its own and store it now, for any later prompt holding it as a document,
+        wherever (``documents.py``); returns the stored pieces' keys ([] with ``blend=None``)."""
+        return self.documents.store_documents(documents) if self.documents is not None else []
 
     def get_kv(self, chunk_ids: Sequence[str], level: Option | None = None, info: GenerationInfo | None = None) -> KVCache:
         """Fetch and decode chunks (in order) stored as ``level`` (a level or raw form; default the engine's);
@@ -287,11 +280,18 @@ class KVEngine:
             raise result["error"]
         yield result["info"]
 
-    def _answer(self, prompts: list[str | Sequence[int]], generation_kwargs: dict[str, Any], streamer: Any = None) -> list[tuple[str, GenerationInfo]]:
-        start = time.perf_counter()
+    def prompt_kv(self, prompt: str | Sequence[int]) -> tuple[KVCache, GenerationInfo]:
+        """The KV of ``prompt`` as a request builds it (stored chunks streamed, documents' caches moved and blended,
+        the rest prefilled), without generating or storing anything: for measuring what reuse costs in quality."""
+        ids, _, buffer, _, r, info = next(zip(*self._reuse([prompt], 0)))
+        if r.filled < len(ids):
+            self._prefill(ids[r.filled :], buffer, r.filled)
+        return buffer.slice(0, len(ids)), info
+
+    def _reuse(self, prompts: list[str | Sequence[int]], new_tokens: int) -> tuple[list, ...]:
+        """Per prompt: ids, chunks, a buffer for them and ``new_tokens``, covered prefix, ``Reused``, info."""
         infos = [GenerationInfo() for _ in prompts]
         all_ids = [self._ids(p) for p in prompts]
-        new_tokens = int(generation_kwargs.get("max_new_tokens", hf.DEFAULT_MAX_NEW_TOKENS))
         buffers = [self._buffer(len(ids) + new_tokens + 1) for ids in all_ids]
         all_chunks = [self.chunks(ids) for ids in all_ids]
         for ids, info in zip(all_ids, infos):
@@ -307,8 +307,13 @@ class KVEngine:
         reused = [Reused(done, len(ids)) for ids, done in zip(all_ids, covered)]
         if self.documents is not None and any(spans):
             reused = self.documents.reuse(all_ids, spans, buffers, covered, infos, controller)
+        return all_ids, all_chunks, buffers, covered, reused, infos
+
+    def _answer(self, prompts: list[str | Sequence[int]], generation_kwargs: dict[str, Any], streamer: Any = None) -> list[tuple[str, GenerationInfo]]:
+        start = time.perf_counter()
+        new_tokens = int(generation_kwargs.get("max_new_tokens", hf.DEFAULT_MAX_NEW_TOKENS))
         out, seen = [], set()
-        for prompt, ids, chunks, buffer, done, r, info in zip(prompts, all_ids, all_chunks, buffers, covered, reused, infos):
+        for prompt, ids, chunks, buffer, done, r, info in zip(prompts, *self._reuse(prompts, new_tokens)):
             text, _ = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer, computed=r.computed)
             self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt))
             if self.documents is not None and r.missing:
@@ -332,8 +337,7 @@ class KVEngine:
 
     def _partials(self, ids: list[int]) -> Callable[[int], list[Chunk]]:
         """The partial chunks of ``ids`` that may follow a run of complete chunks ending at a token."""
-        return lambda end: partial_chunks(ids, end, chunk_tokens=self.chunk_tokens, step=self.partial_step, fingerprint=self.fingerprint,
-                                          codec_id=self.codec.codec_id, profile_id=self.codec.profile_id or "")  # fmt: skip
+        return lambda end: partial_chunks(ids, end, chunk_tokens=self.chunk_tokens, step=self.partial_step, fingerprint=self.fingerprint, codec_id=self.codec.codec_id, profile_id=self.codec.profile_id or "")  # fmt: skip  # noqa: E501
 
     def _prefill(self, ids: list[int], buffer: KVCache, start: int) -> None:
         """KV of ``ids`` computed into ``buffer[start:]`` on top of ``buffer[:start]`` (the text option), timed."""
@@ -369,10 +373,8 @@ class KVEngine:
         before ``exact`` (past it reused documents made the KV approximate) and before the first document, as views
         of the request's buffer (which the model filled in place and nobody writes to any more)."""
         limit = min(exact, len(ids))
-        partial = []
-        for end in sorted({limit, *(s for s, _ in spans[:1] if s < limit)}) if 0 < self.partial_step < self.chunk_tokens else ():
-            partial += self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:]
-        for c in [*chunks, *partial]:
+        ends = sorted({limit, *(s for s, _ in spans[:1] if s < limit)}) if 0 < self.partial_step < self.chunk_tokens else []
+        for c in [*chunks, *(p for end in ends for p in self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:])]:
             if c.end <= done or c.end > limit:
                 continue
             try:
