@@ -170,4 +170,4 @@ def test_prompt_kv_builds_the_kv_a_request_would_use(tiny_llama, tiny_tokenizer)
         engine.store_documents(DOCS[:2])
         kv, info = engine.prompt_kv(prompt_of(engine))
         assert info.documents_reused == 2 and kv.num_tokens == exact.num_tokens
-        assert torch.allclose(kv.values, exact.values, atol=1e-4) is close
+        assert torch.allclose(kv.values, exact.values, atol=1e-2) is close  # the raw form: 16-bit
