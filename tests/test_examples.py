@@ -12,7 +12,7 @@ import json
 import pytest
 
 from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer
-from examples import chat_history, langgraph_chat, rag_chain
+from examples import chat_history, langgraph_chat, rag_chain, rag_documents
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,24 @@ def test_rag_chain_reuses_the_documents_on_the_warm_run(tiny_model_dir, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["run"] for r in rows] == ["cold", "warm"]
     assert rows[0]["cached_tokens"] == 0 and rows[1]["cached_tokens"] >= 192
+
+
+def test_rag_documents_reuses_passages_retrieved_in_other_orders(tiny_model_dir, tmp_path, monkeypatch):
+    from cachegen_core.testing import words  # noqa: PLC0415
+
+    data = tmp_path / "words.jsonl"  # the tiny tokenizer knows words w0..w127 only: passages of those
+    data.write_text("".join(json.dumps({"test_id": i, "prompt": words(90 + i, 360), "label": ["x"]}) + "\n" for i in range(2)))
+    passages = words(90, 360).split()  # questions naming words of passages 0-1, 1-2, 0-2 and 1 of record 0
+    monkeypatch.setattr(rag_documents, "QUESTIONS", [" ".join(passages[a : a + 8] + passages[b : b + 8])
+                                                     for a, b in ((0, 120), (120, 240), (0, 240), (130, 140))])  # fmt: skip
+    rows = rag_documents.main(["--model", tiny_model_dir, "--data", str(data), "--doc-tokens", "120", "--k", "3",
+                               "--max-new-tokens", "2"])  # fmt: skip
+    assert len(rows) == len(rag_documents.QUESTIONS) and rows[0]["documents_reused"] == 0
+    seen: set[str] = set()
+    for row in rows:  # every passage retrieved before comes from the store, wherever it lands now
+        assert row["documents_reused"] == len(seen & set(row["passages"]))
+        seen |= set(row["passages"])
+    assert sum(r["documents_reused"] for r in rows) >= 2
 
 
 def test_chat_history_reads_another_file_with_data(tiny_model_dir, tmp_path, capsys):
