@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     methods[("concat", 0.0)].store_documents([d for d, _ in pool])  # indexing: every document computed once, on its own
     prefix = methods[("prefix-cache", None)]
     for p in picks:  # yesterday's prompts: the same documents, in another order
-        prefix.generate(build(tok, [pool[i][0] for i in rng.sample(p, len(p))]).ids, max_new_tokens=1)
+        _, info = prefix.generate(build(tok, [pool[i][0] for i in rng.sample(p, len(p))]).ids, max_new_tokens=1)
+        print(f"# prefix cache warmed with {info.prompt_tokens} tokens in {info.total_s:.1f} s", file=sys.stderr)
     prefix.generate(build(tok, [pool[0][0][:64]]).ids, max_new_tokens=1)  # warm-up
 
     tally: dict[tuple[str, float | None], dict[str, list[float]]] = {m: {} for m in methods}
@@ -124,10 +125,10 @@ def main(argv: list[str] | None = None) -> None:
             if eng is None:  # full prefill: a fresh engine with nothing stored; the model's own KV
                 _, info = engine(MemoryStore(), None, partial_step=0).generate(prompt.ids, max_new_tokens=1)
                 kv = hf.prefill(model, list(prompt.ids))
-            else:  # the KV first (it stores nothing), then the timed request on the same store
+            else:  # the timed request, then the KV it used (a prefix cache's chunks: stored by now, as the next hit reads them)
                 given = prompt if key[1] is not None else prompt.ids
-                kv, _ = eng.prompt_kv(given)
                 _, info = eng.generate(given, max_new_tokens=1)
+                kv, _ = eng.prompt_kv(given)
             nll, top = score(model, kv.slice(0, len(prompt) - 1), prompt[-1], cont)
             if ref_top is None:
                 ref_nll, ref_top = nll, top
