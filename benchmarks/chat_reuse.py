@@ -94,9 +94,16 @@ def main(argv: list[str] | None = None) -> None:
         args.turns, args.new_tokens = 4, 24
     setup_threads()
 
+    before = os.environ.get("CACHEGEN_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache_dir:
-        os.environ["CACHEGEN_CACHE_DIR"] = cache_dir
-        run(args)
+        os.environ["CACHEGEN_CACHE_DIR"] = cache_dir  # the default disk store, in a throwaway place
+        try:
+            run(args)
+        finally:
+            if before is None:
+                os.environ.pop("CACHEGEN_CACHE_DIR", None)
+            else:
+                os.environ["CACHEGEN_CACHE_DIR"] = before
 
 
 def run(args: argparse.Namespace) -> None:

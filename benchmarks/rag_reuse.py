@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--docs", type=int, default=6, help="documents per prompt")
     ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--pool", type=int, default=12, help="documents the prompts draw from")
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3])
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
