@@ -47,7 +47,7 @@ class BlendConfig:
     recompute_ratio: float = 0.15
     check_layer: int = 1
     min_document_tokens: int = 16
-    query_block: int = 512
+    query_block: int = 256
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -106,22 +106,29 @@ def _heads(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _masks(pos: torch.Tensor, end: int, block: int) -> list[tuple[slice, torch.Tensor]]:
-    """Per block of queries at positions ``pos``: its slice and its causal mask over keys 0..end-1."""
+    """Per block of queries at (sorted) positions ``pos``: its slice and its causal mask over the keys up to its
+    last query (keys past it are masked for every query of the block: left out, not computed)."""
     at = torch.arange(end, device=pos.device)
-    return [(slice(s, s + block), at[None, :] <= pos[s : s + block, None]) for s in range(0, len(pos), block)]
+    out = []
+    for s in range(0, len(pos), block):
+        rows = pos[s : s + block]
+        out.append((slice(s, s + block), at[None, : int(rows.max()) + 1] <= rows[:, None]))
+    return out
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, masks: list[tuple[slice, torch.Tensor]], attn: Any) -> torch.Tensor:
     """Attention of queries ``q`` (heads, n, dim) over ``keys``/``values`` (kv_heads, end, dim) under ``masks``
-    (see :func:`_masks`); returns (n, heads * dim). Batched 4-D inputs: the CPU's fused kernel takes
-    them (3-D ones fall back to a kernel several times slower)."""
+    (see :func:`_masks`: each block over the keys its mask spans); returns (n, heads * dim). Batched 4-D
+    inputs: the CPU's fused kernel takes them (3-D ones fall back to a kernel several times slower)."""
     k, v = keys[None], values[None]
     gqa = {"enable_gqa": True} if _HAS_GQA else {}
     if attn.num_key_value_groups > 1 and not _HAS_GQA:
         k, v = k.repeat_interleave(attn.num_key_value_groups, dim=1), v.repeat_interleave(attn.num_key_value_groups, dim=1)
     out = []
     for rows, mask in masks:
-        o = torch.nn.functional.scaled_dot_product_attention(q[None, :, rows], k, v, attn_mask=mask, scale=attn.scaling, **gqa)
+        span = mask.shape[1]
+        o = torch.nn.functional.scaled_dot_product_attention(q[None, :, rows], k[:, :, :span], v[:, :, :span], attn_mask=mask,
+                                                             scale=attn.scaling, **gqa)  # fmt: skip
         out.append(o[0].transpose(0, 1).reshape(mask.shape[0], -1))
     return torch.cat(out)
 
@@ -137,7 +144,7 @@ def blend(
     ratio: float,
     *,
     check_layer: int = 1,
-    query_block: int = 512,
+    query_block: int = 256,
 ) -> int:
     """Recompute, in ``buffer``, the KV of selected tokens of ``ids[start:end]``; returns how many.
 
