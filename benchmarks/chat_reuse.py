@@ -6,7 +6,7 @@ The system message is a LongChat transcript cut to ``--system-tokens`` tokens (a
 document, as in a chatbot over a file); each user turn asks one of a few questions about it and the
 answer (``--new-tokens`` at most) joins the history. The engine is ``CacheGenLLM.from_model_id``'s
 default (1536-token chunks, partial chunks every 64 tokens, background writer, disk store in a
-temporary cache directory), with a store wrapper that counts requests and bytes.
+temporary directory), with a store wrapper that counts requests and bytes.
 
 One JSON line per turn: ``turn``, ``prompt_tokens``, ``cached_tokens``, ``recomputed_tokens``,
 ``new_tokens``, ``ttft_s``, and ``added_tokens`` (prompt tokens since the previous turn's prompt),
@@ -17,7 +17,6 @@ stored so far) and ``partial_bytes`` (of those, partial chunks': the cost of reu
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -94,25 +93,17 @@ def main(argv: list[str] | None = None) -> None:
         args.turns, args.new_tokens = 4, 24
     setup_threads()
 
-    before = os.environ.get("CACHEGEN_CACHE_DIR")
-    with tempfile.TemporaryDirectory() as cache_dir:
-        os.environ["CACHEGEN_CACHE_DIR"] = cache_dir  # the default disk store, in a throwaway place
-        try:
-            run(args)
-        finally:
-            if before is None:
-                os.environ.pop("CACHEGEN_CACHE_DIR", None)
-            else:
-                os.environ["CACHEGEN_CACHE_DIR"] = before
+    with tempfile.TemporaryDirectory() as store_dir:  # the default disk store, in a throwaway directory
+        run(args, store_dir)
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, store_dir: str) -> None:
     from langchain_core.messages import HumanMessage, SystemMessage  # noqa: PLC0415
 
     from cachegen_core.stores import DiskCacheStore  # noqa: PLC0415
     from langchain_cachegen import CacheGenLLM, ChatCacheGen  # noqa: PLC0415
 
-    store = CountingStore(DiskCacheStore(os.path.join(os.environ["CACHEGEN_CACHE_DIR"], "kv")))
+    store = CountingStore(DiskCacheStore(store_dir))
     llm = CacheGenLLM.from_model_id(args.model, store=store, generation_kwargs={"max_new_tokens": args.new_tokens})
     engine = llm.engine
     tok = engine.tokenizer

@@ -28,6 +28,11 @@ def data(tmp_path) -> str:
     return str(path)
 
 
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def _rows(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
