@@ -313,13 +313,13 @@ class KVEngine:
         start = time.perf_counter()
         new_tokens = int(generation_kwargs.get("max_new_tokens", hf.DEFAULT_MAX_NEW_TOKENS))
         out, seen = [], set()
-        for prompt, ids, chunks, buffer, done, r, info in zip(prompts, *self._reuse(prompts, new_tokens)):
+        for i, (prompt, ids, chunks, buffer, done, r, info) in enumerate(zip(prompts, *self._reuse(prompts, new_tokens))):
             text, _ = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer, computed=r.computed)
             self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt))
             if self.documents is not None and r.missing:
                 self.documents.store(ids, r, info, seen)
             info.total_s = time.perf_counter() - start
-            self.metrics_recorder.record(info, self)
+            self.metrics_recorder.record(info, self, fetch_counted=i > 0)
             out.append((text, info))
         return out
 
