@@ -57,6 +57,18 @@ def test_stats_of_a_disk_store(tmp_path, capsys, tiny_llama, tiny_tokenizer):
     assert "models" not in run_cli(capsys, "stats", str(tmp_path / "kv"), "--no-headers")
 
 
+def test_raw_forms_belong_to_their_chunk(tmp_path, capsys, tiny_llama, tiny_tokenizer):
+    store = DiskCacheStore(tmp_path / "kv")
+    eng = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=["raw", 1], background=False)
+    eng.generate(words(4, 2 * CHUNK + 5), max_new_tokens=1)
+    s = run_cli(capsys, "stats", str(tmp_path / "kv"))
+    assert (s["chunks"], s["blobs"], s["other_keys"]) == (2, 4, 0)
+    assert list(s["levels"]) == ["1", "raw"] and s["levels"]["raw"]["bytes"] > s["levels"]["1"]["bytes"] > 0
+    assert s["models"] == {eng.fingerprint: {"chunks": 2, "bytes": s["bytes"]}}
+    g = run_cli(capsys, "gc", str(tmp_path / "kv"), "--max-bytes", "0")
+    assert (g["chunks_deleted"], g["keys_deleted"], g["bytes_left"]) == (2, 6, 0) and not list(store.keys())
+
+
 def test_gc_by_model_age_and_size_on_disk(tmp_path, capsys, tiny_llama, tiny_tokenizer):
     d = str(tmp_path / "kv")
     store = DiskCacheStore(d)

@@ -22,18 +22,19 @@ from ..format import read_header
 from .base import KVStore
 from .signed import unwrap
 
-KEY_RE = re.compile(r"^(?P<chunk>[0-9a-f]{64})-(?:(?P<manifest>M)|L(?P<level>\d{1,2}))$")
+KEY_RE = re.compile(r"^(?P<chunk>[0-9a-f]{64})-(?:(?P<manifest>M)|L(?P<level>\d{1,2}|raw|lossless))$")
 #: Bytes read to parse a blob's header (a header is ~1 KiB; a longer one is read whole).
 HEAD_BYTES = 1 << 16
 
 
 @dataclass
 class ChunkEntries:
-    """One chunk's entries: its manifest's bytes (None: no manifest) and each level's blob bytes."""
+    """One chunk's entries: its manifest's bytes (None: no manifest) and each stored option's blob bytes
+    (levels as ints, the raw forms as ``"raw"`` / ``"lossless"``)."""
 
     chunk: str
     manifest: int | None = None
-    levels: dict[int, int] = field(default_factory=dict)
+    levels: dict[int | str, int] = field(default_factory=dict)
     age_s: float | None = None
     newest_s: float | None = None
 
@@ -83,7 +84,8 @@ def scan(store: KVStore) -> Scan:
             c.manifest = size
             c.age_s = age
         else:
-            c.levels[int(m["level"])] = size
+            lv = m["level"]
+            c.levels[int(lv) if lv.isdigit() else lv] = size
         if age is not None and (c.newest_s is None or age < c.newest_s):
             c.newest_s = age
     for c in out.chunks.values():
@@ -109,9 +111,14 @@ def blob_header(store: KVStore, key: str) -> dict[str, Any] | None:
     return None
 
 
+def _option_order(option: int | str) -> tuple[bool, str]:
+    """Levels (numerically, up to 99) before the raw forms."""
+    return (isinstance(option, str), f"{option:>2}" if isinstance(option, int) else option)
+
+
 def chunk_model(store: KVStore, chunk: ChunkEntries) -> str | None:
     """The model fingerprint in the header of one of the chunk's blobs (None: no readable blob)."""
-    for level in sorted(chunk.levels):
+    for level in sorted(chunk.levels, key=_option_order):
         header = blob_header(store, f"{chunk.chunk}-L{level}")
         if header is not None and isinstance(header.get("model_fingerprint"), str):
             return header["model_fingerprint"]
@@ -121,7 +128,7 @@ def chunk_model(store: KVStore, chunk: ChunkEntries) -> str | None:
 def stats(store: KVStore, *, headers: bool = True) -> dict[str, Any]:
     """Entries, bytes, chunks, manifests, blobs and bytes per level, and (``headers``) chunks per model."""
     s = scan(store)
-    levels: dict[int, dict[str, int]] = defaultdict(lambda: {"blobs": 0, "bytes": 0})
+    levels: dict[int | str, dict[str, int]] = defaultdict(lambda: {"blobs": 0, "bytes": 0})
     for c in s.chunks.values():
         for lv, n in c.levels.items():
             levels[lv]["blobs"] += 1
@@ -135,7 +142,7 @@ def stats(store: KVStore, *, headers: bool = True) -> dict[str, Any]:
         "manifests": sum(c.manifest is not None for c in s.chunks.values()),
         "manifest_bytes": sum(c.manifest or 0 for c in s.chunks.values()),
         "blobs": sum(len(c.levels) for c in s.chunks.values()),
-        "levels": {str(lv): levels[lv] for lv in sorted(levels)},
+        "levels": {str(lv): levels[lv] for lv in sorted(levels, key=_option_order)},
         "chunks_without_manifest": sum(c.manifest is None for c in s.chunks.values()),
         "other_keys": s.other_keys,
         "oldest_chunk_age_s": max(ages) if ages else None,
