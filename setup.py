@@ -1,6 +1,6 @@
 """Build the native rANS coder (csrc/) as a plain shared library shipped inside cachegen_core.
 
-It is loaded with ctypes (cachegen_core/coders/native.py), never imported, so it needs
+It is loaded with ctypes (cachegen_core/coders/native_lib.py), never imported, so it needs
 no Python or torch headers and builds in seconds. Metadata lives in pyproject.toml.
 """
 
@@ -19,11 +19,12 @@ setup(
     ext_modules=[
         Extension(
             "cachegen_core._native",
-            sources=["csrc/rans_cpu.cpp"],
-            depends=["csrc/rans_core.h"],
+            sources=["csrc/rans_cpu.cpp", "csrc/kv_fused.cpp"],
+            depends=["csrc/rans_core.h", "csrc/rans_cpu_impl.h"],
             include_dirs=["csrc"],
             language="c++",
-            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+            # no fused multiply-add: the fused KV decoder rounds exactly as the reference dequantiser
+            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"],
             extra_link_args=["-pthread"],
             optional=True,  # without a compiler the package still installs; the reference coder is used
         )

@@ -15,7 +15,10 @@ true laws quantised to 2^16 (one per kind x layer x anchor/delta x channel, as a
 profile has); (2) ``<model>-profile`` / ``<model>-inline``: the symbols and tables of a
 real 1536-token chunk of the reference model through ``KVCodec.prepare`` with the
 model's profile and with per-chunk tables (skipped when the model is not provisioned).
-torchac runs on a leading subset of the substreams (it codes ~2-4 Msym/s).
+Every coder is timed the same way: tables converted (and validated) before the timing, one
+warm-up call, then the best of the repetitions, on the same symbols: torchac codes only ~2-4
+Msym/s, so with ``--torchac-symbols N`` it runs on the leading substreams holding N symbols
+and native is timed on exactly those too for ``x_torchac`` (``same_symbols`` names them).
 ``--save-chunks DIR`` keeps each chunk's symbols and tables as an .npz file and ``--npz``
 measures such files instead (for a machine without the model, e.g. a GPU box).
 """
@@ -127,32 +130,40 @@ def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndar
 
     entropy = ideal_bits_per_stream(symbols, layout, freqs).sum() / layout.n_symbols
     base: dict[str, Any] = {"data": data, "substreams": layout.n_streams, "tables": int(freqs.shape[0])}
-    speed = {"encode": None, "decode": None}
-    ref = torchac_lines(symbols, layout, freqs, torchac_symbols) if torchac_symbols else []
-    for line in ref:
-        speed[line["op"]] = line["msym_per_s"]
-        emit({**base, **line}, out)
+    sub = subset(layout, torchac_symbols) if torchac_symbols else layout
+    ref = torchac_lines(symbols[: sub.n_symbols], sub, freqs, reps) if torchac_symbols else []
+    for r in ref:
+        emit({**base, **r}, out)
     if not available():
         print("# native coder not built: no native lines", file=sys.stderr)
         return
+    speed = {r["op"]: r["msym_per_s"] for r in ref}
 
-    def line(coder: str, op: str, threads: int | None, seconds: float, bps: float, **extra: Any) -> None:
-        rate = layout.n_symbols / seconds / 1e6
-        x = {"x_torchac": round(rate / speed[op], 1)} if speed[op] else {}
-        emit({**base, "coder": coder, "op": op, "threads": threads, "symbols": layout.n_symbols, "seconds": round(seconds, 5),
-              "msym_per_s": round(rate, 1), "bits_per_symbol": round(bps, 4), "entropy_bits_per_symbol": round(entropy, 4),
-              **x, **extra}, out)  # fmt: skip
+    def line(coder: str, op: str, threads: int | None, seconds: float, bps: float, n: int = layout.n_symbols, **extra: Any) -> None:
+        emit({**base, "coder": coder, "op": op, "threads": threads, "symbols": n, "seconds": round(seconds, 5),
+              "msym_per_s": round(n / seconds / 1e6, 1), "bits_per_symbol": round(bps, 4),
+              "entropy_bits_per_symbol": round(entropy, 4), **extra}, out)  # fmt: skip
 
     payloads: list[bytes] = NativeCoder().encode(symbols, layout, freqs) if not cpu_threads else []
     for threads in cpu_threads:
         coder = NativeCoder(threads=threads)
         coder.tables(freqs)  # table conversion is once per profile, not per chunk: keep it out of the timing
+        payloads = coder.encode(symbols, layout, freqs)  # warm-up
+        coder.decode(payloads, layout, freqs)
         t_enc, payloads = best_time(lambda c=coder: c.encode(symbols, layout, freqs), reps)
         t_dec, decoded = best_time(lambda c=coder, p=payloads: c.decode(p, layout, freqs), reps)
         assert np.array_equal(decoded, symbols), "native decode differs from the input"
         bps = 8 * sum(map(len, payloads)) / layout.n_symbols
         line(coder.name, "encode", threads, t_enc, bps)
         line(coder.name, "decode", threads, t_dec, bps)
+        if ref:  # the torchac comparison, on its very symbols
+            s = symbols[: sub.n_symbols]
+            te, p = best_time(lambda c=coder: c.encode(s, sub, freqs), reps)
+            td, _ = best_time(lambda c=coder, p=p: c.decode(p, sub, freqs), reps)
+            sb = 8 * sum(map(len, p)) / sub.n_symbols
+            for op, t in (("encode", te), ("decode", td)):
+                line(coder.name, op, threads, t, sb, n=sub.n_symbols, same_symbols="torchac's",
+                     x_torchac=round(sub.n_symbols / t / 1e6 / speed[op], 1))  # fmt: skip
     if cuda:
         cuda_lines(payloads, symbols, layout, freqs, reps, line)
 
@@ -184,8 +195,8 @@ def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout,
     line(name, "decode", None, min(calls), bps, timed="call: payload copy to the GPU + kernel")
 
 
-def torchac_lines(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, max_symbols: int) -> list[dict[str, Any]]:
-    """torchac encode and decode on the leading substreams (its per-symbol CDFs make it slow)."""
+def torchac_lines(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, reps: int) -> list[dict[str, Any]]:
+    """torchac encode and decode of ``symbols``: CDFs built before the timing, a warm-up, best of ``reps``."""
     try:
         import torchac  # noqa: F401, PLC0415
 
@@ -193,15 +204,16 @@ def torchac_lines(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, 
     except ImportError:
         print("# torchac not installed here: no baseline", file=sys.stderr)
         return []
-    sub = subset(layout, max_symbols)
-    ref, s = ReferenceCoder(), symbols[: sub.n_symbols]
-    t_enc, payloads = best_time(lambda: ref.encode(s, sub, freqs), 1)
-    t_dec, decoded = best_time(lambda: ref.decode(payloads, sub, freqs), 1)
-    assert np.array_equal(decoded, s)
-    bps = 8 * sum(map(len, payloads)) / sub.n_symbols
-    ent = ideal_bits_per_stream(s, sub, freqs).sum() / sub.n_symbols
-    return [{"coder": ref.name, "op": op, "threads": 1, "symbols": sub.n_symbols, "seconds": round(t, 4),
-             "msym_per_s": round(sub.n_symbols / t / 1e6, 2), "bits_per_symbol": round(bps, 4),
+    ref = ReferenceCoder()
+    payloads = ref.encode(symbols, layout, freqs)  # warm-up (and the CDFs, converted once per table set)
+    ref.decode(payloads, layout, freqs)
+    t_enc, payloads = best_time(lambda: ref.encode(symbols, layout, freqs), reps)
+    t_dec, decoded = best_time(lambda: ref.decode(payloads, layout, freqs), reps)
+    assert np.array_equal(decoded, symbols)
+    bps = 8 * sum(map(len, payloads)) / layout.n_symbols
+    ent = ideal_bits_per_stream(symbols, layout, freqs).sum() / layout.n_symbols
+    return [{"coder": ref.name, "op": op, "threads": 1, "symbols": layout.n_symbols, "seconds": round(t, 4),
+             "msym_per_s": round(layout.n_symbols / t / 1e6, 2), "bits_per_symbol": round(bps, 4),
              "entropy_bits_per_symbol": round(ent, 4)} for op, t in (("encode", t_enc), ("decode", t_dec))]  # fmt: skip
 
 
@@ -227,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-real", action="store_true", help="skip the reference model's chunk")
     ap.add_argument("--no-7b", action="store_true", help="skip the 7B-shaped synthetic chunk")
     ap.add_argument("--no-torchac", action="store_true", help="skip the torchac baseline")
+    ap.add_argument("--torchac-symbols", type=int, default=None,
+                    help="torchac (and native, for the comparison) on the leading substreams holding this many symbols")  # fmt: skip
     ap.add_argument("--no-cuda", action="store_true")
     ap.add_argument("--cpu-threads", default=None, help="comma-separated CPU thread counts (default 1,2,all; '' for none)")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
@@ -234,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--npz", nargs="+", default=[], metavar="FILE", help="measure saved chunks instead of making them")
     args = ap.parse_args(argv)
     reps = 2 if args.quick else 5
-    torchac_symbols = 0 if args.no_torchac else 300_000 if args.quick else 2_000_000
+    torchac_symbols = 0 if args.no_torchac else args.torchac_symbols or (300_000 if args.quick else 2_000_000)
     out = open(args.out, "a") if args.out else None
     if args.cpu_threads is None:
         cpu_threads = sorted({1, 2, os.cpu_count() or 1})

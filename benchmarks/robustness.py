@@ -84,6 +84,8 @@ class Bench:
 
     def engine(self, store: Any, **kw: Any) -> KVEngine:
         kw.setdefault("background", False)
+        kw.setdefault("store_options", [0])  # the scenarios spoil level-0 blobs (raw blobs: tests/test_raw.py)
+        kw.setdefault("allow_text", False)  # ...and count the chunks fetched: never swapped for a recomputation
         return KVEngine(self.model, self.tokenizer, store=store, chunk_tokens=CHUNK, level=0, **kw)
 
 

@@ -8,9 +8,12 @@ per token. Each bandwidth trace (Gbit/s, one sample per ``--slice-s`` seconds, c
 is then replayed through an event timeline in which chunk i+1 is fetched while chunk i
 decodes and a chunk sent as text is prefilled once the KV before it is ready, with the
 production controller (``cachegen_core.streaming.choose`` and its estimators) choosing
-each chunk's option. ``--geometry 7b`` keeps the measured bits per element and decoder
-throughput but scales sizes to a 7B-shaped model (32 layers, 8 KV heads, head_dim 128)
-and uses ``--prefill-tokens-per-s``: a projection, labelled as such.
+each chunk's option. ``--geometry 7b`` keeps the measured bits per element but scales sizes
+to a 7B-shaped model (32 layers, 8 KV heads, head_dim 128), times the WHOLE decode path
+(entropy decoding, dequantisation, the copy out: ``KVCodec.decode``) on a 7B-shaped chunk
+on this machine (or takes ``--decode-s-per-chunk`` measured elsewhere, e.g. by
+``benchmarks.warm_path --device cuda``), and uses ``--prefill-tokens-per-s``: a projection.
+Every row says which of its inputs were measured here and which were given.
 
 One JSON line per (bandwidth scale, trace, policy, SLO), then one summary line per (scale,
 policy) with the SLO-met rates, TTFT percentiles, speedups against uniform8 and fp16 on the
@@ -98,7 +101,7 @@ def simulate(w: Workload, link: Link, policy: str, slo_s: float | None, levels: 
             opt = int(policy.rsplit("-", 1)[1])
         else:
             # planned when the link is free, as stream_chunks does, with the compute stage busy until `ready`
-            opt = choose(w.costs[i:], levels=levels, elapsed_s=fetch_t, slo_s=slo_s, bandwidth=est.estimate(),
+            opt = choose(w.costs[i:], options=levels, elapsed_s=fetch_t, slo_s=slo_s, bandwidth=est.estimate(),
                          prefill_s_per_token=w.prefill_s_per_token, busy_s=max(ready - fetch_t, 0.0)).option  # fmt: skip
         options.append(opt)
         if opt == TEXT:
@@ -130,7 +133,7 @@ def measure(
     tail_tokens: int,
     geometry: str,
     prefill_tps: float | None,
-    decode_gsym_per_s: float | None = None,
+    decode_s_per_chunk: float | None = None,
     data: str | Path = LONGCHAT,
 ) -> Workload:
     """Encode a real context at every level; time decoding and prefill."""
@@ -154,9 +157,12 @@ def measure(
     print(f"# prefill {len(ids)} tokens: {prefill_s * len(ids):.1f} s ({1 / prefill_s:.0f} tokens/s)", file=sys.stderr)
     costs, fp16_b, u8_b, deq = [], [], [], []
     scale = 1.0
+    decode_7b: dict[int, float] = {}
     if geometry == "7b":
         scale = (2 * 32 * 8 * 128) / (2 * kv.num_layers * kv.num_kv_heads * kv.head_dim)
         prefill_s = 1.0 / prefill_tps if prefill_tps else prefill_s
+        if not decode_s_per_chunk:
+            decode_7b = whole_decode_7b(codec.config, chunk_tokens)
     for s in range(0, (len(ids) // chunk_tokens) * chunk_tokens, chunk_tokens):
         chunk = kv.slice(s, s + chunk_tokens)
         sizes, dec = {}, {}
@@ -164,19 +170,46 @@ def measure(
             blob = codec.encode(chunk, lv)
             t = time.perf_counter()
             codec.decode(blob)
-            dec[lv] = (time.perf_counter() - t) * scale
-            if decode_gsym_per_s:  # e.g. the CUDA decoder's measured throughput
-                dec[lv] = chunk.num_elements * scale / (decode_gsym_per_s * 1e9)
+            dec[lv] = decode_7b.get(lv, time.perf_counter() - t)
+            if decode_s_per_chunk:  # the whole decode path measured elsewhere (e.g. on a GPU)
+                dec[lv] = decode_s_per_chunk
             sizes[lv] = int(len(blob) * scale)
         costs.append(ChunkCost(sizes, dec, chunk_tokens))
         fp16_b.append(int(chunk.num_elements * 2 * scale))
         t = time.perf_counter()
         _, nbytes = uniform(chunk, 8)  # quantise + dequantise: an upper bound of the dequantisation alone
         # in a projection the baseline's dequantisation is taken as free (it favours the baseline)
-        deq.append(0.0 if scale != 1.0 or decode_gsym_per_s else time.perf_counter() - t)
+        deq.append(0.0 if scale != 1.0 or decode_s_per_chunk else time.perf_counter() - t)
         u8_b.append(int(nbytes * scale))
     tail = len(ids) - len(costs) * chunk_tokens + tail_tokens
     return Workload(costs, tail, prefill_s, fp16_b, u8_b, float(np.mean(deq)))
+
+
+def whole_decode_7b(config: Any, tokens: int) -> dict[int, float]:
+    """Seconds of ``KVCodec.decode`` (entropy decoding, dequantisation, output) of a 7B-shaped chunk at
+    every level, on this machine: KV with per-channel scales and some token locality, inline tables."""
+    from cachegen_core.codec import KVCodec  # noqa: PLC0415
+    from cachegen_core.kv import KVCache  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    shape = (32, 8, tokens, 128)
+    scales = torch.exp(torch.randn(32, 8, 1, 128, generator=g))
+    kv = KVCache(*(torch.cumsum(0.3 * torch.randn(shape, generator=g), dim=2) * 0.1 * scales + torch.randn(shape, generator=g) * scales
+                   for _ in range(2)))  # fmt: skip
+    codec = KVCodec(config)
+    out = {}
+    for lv in codec.levels:
+        blob = codec.encode(kv, lv)
+        codec.decode(blob)  # warm-up
+        out[lv] = min(_timed(lambda b=blob: codec.decode(b)) for _ in range(2))
+        print(f"# 7B-shaped chunk, level {lv}: whole decode {out[lv]:.2f} s on this machine", file=sys.stderr)
+    return out
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def quality_of(path: Path, context_tokens: int) -> dict[Any, float]:
@@ -268,8 +301,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="multiply every trace sample (e.g. 0.1 for a slow WAN); several values replay each on the same measurement")
     ap.add_argument("--geometry", choices=["smollm2", "7b"], default="smollm2")
     ap.add_argument("--prefill-tokens-per-s", type=float, default=None, help="7b projection: prefill speed of the 7B model")
-    ap.add_argument("--decode-gsym-per-s", type=float, default=None,
-                    help="decoder throughput to plan with instead of the measured CPU decode (e.g. 1.25 for the CUDA decoder on an H100)")
+    ap.add_argument("--decode-s-per-chunk", type=float, default=None,
+                    help="seconds of the whole decode path of one chunk, measured elsewhere (e.g. benchmarks.warm_path on a GPU), "
+                         "instead of measuring it on this machine")  # fmt: skip
     ap.add_argument("--quality", default="docs/data/quality_size.jsonl")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--quick", action="store_true", help="one context length of 3 chunks")
@@ -282,8 +316,12 @@ def main(argv: list[str] | None = None) -> None:
     base_traces = [r["bw_gbps"] for r in read_jsonl(args.traces)]
     rows: list[dict[str, Any]] = []
     for ctx in args.context_tokens:
-        w = measure(args.model, ctx, args.chunk_tokens, args.tail_tokens, args.geometry, args.prefill_tokens_per_s, args.decode_gsym_per_s,
+        w = measure(args.model, ctx, args.chunk_tokens, args.tail_tokens, args.geometry, args.prefill_tokens_per_s, args.decode_s_per_chunk,
                     data=args.data)
+        measured = ["blob sizes (reference model, scaled to the geometry)"] + ([] if args.decode_s_per_chunk else ["whole decode path (this machine)"])
+        measured += [] if args.geometry == "7b" else ["prefill speed (this machine)"]
+        given = (["prefill tokens/s (--prefill-tokens-per-s)"] if args.geometry == "7b" else []) + (
+            ["decode seconds per chunk (--decode-s-per-chunk)"] if args.decode_s_per_chunk else [])  # fmt: skip
         levels = sorted(w.costs[0].sizes)
         text_time = simulate(w, Link([1.0], args.slice_s), "text", None, levels)["ttft_s"]
         policies = ["fp16", "uniform8", "text", *[f"cachegen-fixed-{lv}" for lv in levels], "cachegen-adaptive", "cachegen-adaptive-last",
@@ -300,8 +338,9 @@ def main(argv: list[str] | None = None) -> None:
                            "slo_met": r["ttft_s"] <= slo, "mean_level": r["mean_level"], "text_chunks": r["text_chunks"],
                            "bytes": r["bytes"], "context_tokens": ctx, "geometry": args.geometry, "bandwidth_scale": scale,
                            "quality_proxy": round(float(np.mean(q)), 5) if q and None not in q else None}  # fmt: skip
-                    if args.geometry == "7b" or args.decode_gsym_per_s:
+                    if args.geometry == "7b" or args.decode_s_per_chunk:
                         row["projection"] = True
+                        row["measured"], row["given"] = measured, given
                     emit(row)
                     rows.append(row)
     for scale in args.bandwidth_scale:

@@ -12,8 +12,9 @@ Keys are computed in one pass: a single running hash state is fed chunk by chunk
 read out after each one (O(n) in the number of tokens). Only complete chunks get keys;
 the incomplete tail is always prefilled by the model.
 
-Store keys. A chunk is stored once per level under ``blob_key(chunk.key, level)`` =
-``"<64 hex chars>-L<level>"``. Stores prepend their own ``namespace`` (e.g.
+Store keys. A chunk is stored once per option under ``blob_key(chunk.key, option)`` =
+``"<64 hex chars>-L<level>"`` (or ``-Lraw``, ``-Llossless`` for the raw forms), with its
+manifest under ``"<64 hex chars>-M"`` (``manifest.py``). Stores prepend their own ``namespace`` (e.g.
 ``"cachegen:"``), so the full key in a backend is ``namespace + key + "-L" + level``.
 The characters used (hex, ``-``, ``L``, digits) are valid in every LangChain
 ``ByteStore``, ``LocalFileStore`` included.
@@ -105,8 +106,11 @@ def chunk_keys(
     return chunks
 
 
-def blob_key(chunk_key: str, level: int) -> str:
-    """Store key (before the store's namespace) of one chunk encoded at one level."""
-    if level < 0:
-        raise ValueError(f"level must be >= 0, got {level}")
-    return f"{chunk_key}-L{level}"
+def blob_key(chunk_key: str, option: int | str) -> str:
+    """Store key (before the store's namespace) of one chunk stored as one option: a level or a raw form."""
+    if isinstance(option, str):
+        if option not in ("raw", "lossless"):
+            raise ValueError(f"not a stored option: {option!r}")
+    elif isinstance(option, bool) or option < 0:
+        raise ValueError(f"level must be >= 0, got {option}")
+    return f"{chunk_key}-L{option}"

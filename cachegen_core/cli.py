@@ -4,6 +4,11 @@
     cachegen model prepare [NAME]      convert the bundled reference model (or a .gguf) once; print its dir
     cachegen model path [NAME]         print its dir without converting (exit 1: not prepared yet)
     cachegen profile --model MODEL --texts FILE.jsonl [--field prompt] [--stat-texts N] [--out PATH]
+    cachegen stats [STORE] [--namespace NS] [--no-headers]
+    cachegen gc [STORE] [--older-than 7d] [--max-bytes 5G] [--model FP] [--orphans] [--dry-run]
+
+STORE is a store URL (``disk``, a directory, ``memory``, ``redis://``, ``rediss://``; default
+``$CACHEGEN_STORE``, else ``disk``), see ``cachegen_core.stores.url``.
 
 Adding a subcommand: write ``_register_<name>(sub)`` that adds its parser with
 ``set_defaults(func=handler)`` (``handler(args) -> exit code``) and append it to
@@ -17,9 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 #: A subcommand handler: parsed arguments in, exit code out.
 Command = Callable[[argparse.Namespace], int]
@@ -152,8 +158,78 @@ def _register_profile(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.set_defaults(func=_profile)
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400,
+          "": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+          "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}  # fmt: skip
+
+
+def parse_quantity(text: str, units: str) -> float:
+    """``"7d"``, ``"90m"``, ``"30"`` (seconds) for ``units="time"``; ``"5G"``, ``"500MiB"``, ``"1024"`` (bytes) for sizes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m[2].lower() if m else ""
+    allowed = ("s", "m", "h", "d", "w", "") if units == "time" else tuple(u for u in _UNITS if u not in ("s", "h", "d", "w"))
+    if m is None or unit not in allowed:
+        raise argparse.ArgumentTypeError(f"bad {'duration' if units == 'time' else 'size'} {text!r}")
+    return float(m[1]) * _UNITS[unit if units == "time" or unit != "m" else "mb"]
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    from .settings import load  # noqa: PLC0415
+    from .stores.url import open_store  # noqa: PLC0415
+
+    settings = load()
+    return open_store(args.store or settings.store, namespace=args.namespace or settings.namespace,
+                      cache_dir=settings.cache_dir)  # fmt: skip
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from .stores.admin import stats  # noqa: PLC0415
+
+    with _open_store(args) as store:
+        print(json.dumps(stats(store, headers=not args.no_headers), indent=2))
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from .stores.admin import GcPolicy, gc  # noqa: PLC0415
+
+    try:
+        policy = GcPolicy(args.older_than, None if args.max_bytes is None else int(args.max_bytes), args.model, args.orphans)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with _open_store(args) as store:
+        print(json.dumps(gc(store, policy, dry_run=args.dry_run), indent=2))
+    return 0
+
+
+def _store_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", nargs="?", default=None, help="store URL (default: $CACHEGEN_STORE, else disk)")
+    p.add_argument("--namespace", default=None, help="key prefix (default: $CACHEGEN_NAMESPACE, else cachegen:)")
+
+
+def _register_stats(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("stats", help="what a store holds: entries, bytes per level, chunks, models (JSON)")
+    _store_arguments(p)
+    p.add_argument("--no-headers", action="store_true", help="skip reading blob headers (no models by fingerprint)")
+    p.set_defaults(func=_stats)
+
+
+def _register_gc(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("gc", help="evict whole chunks from a store by age, total size or model (JSON report)")
+    _store_arguments(p)
+    p.add_argument("--older-than", type=lambda t: parse_quantity(t, "time"), default=None, metavar="AGE",
+                   help="chunks not stored (disk) or used (Redis) for AGE: 90s, 30m, 12h, 7d")  # fmt: skip
+    p.add_argument("--max-bytes", type=lambda t: parse_quantity(t, "size"), default=None, metavar="SIZE",
+                   help="then the oldest chunks until the store holds at most SIZE: 500M, 5G")  # fmt: skip
+    p.add_argument("--model", default=None, metavar="FP", help="chunks of the model whose fingerprint starts with FP")
+    p.add_argument("--orphans", action="store_true", help="chunks without a manifest, 10 minutes after their last write")
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
+    p.set_defaults(func=_gc)
+
+
 #: Every subcommand, in the order ``--help`` lists them; append yours.
-REGISTRY: list[Register] = [_register_inspect, _register_model, _register_profile]
+REGISTRY: list[Register] = [_register_inspect, _register_model, _register_profile, _register_stats, _register_gc]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,66 +11,25 @@ blob decodes at its own positions or, on request, at any others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
+from . import fused
 from .bitstats import encode_stats
 from .coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, default_coder, get_decoder
 from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
 from .kv import KVCache, KVShapeError
-from .pipeline import Coded, components, exact_tokens, quantise, synthesise
+from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name
+from .pipeline import components, exact_tokens, quantise, synthesise
 from .profile import Profile, TableLayout
-from .quantize import ALPHABET, OFFSET, RADIUS, from_bf16_bits, to_bf16_bits
+from .quantize import ALPHABET, OFFSET, RADIUS, dequantize, from_bf16_bits
 from .rotary import RotarySpec
 from .substreams import ChunkGeometry, flatten_symbols, inline_tables, n_inline_tables, stream_layout, unflatten_symbols
 from .transform import Transform, identity_transform
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_MAX_DIM = 1 << 14
-#: Largest context position a blob may claim for its first token.
-MAX_START = 1 << 40
-#: A blob may decode to at most this many KV elements per byte (0.004 bits per element).
-MAX_ELEMENTS_PER_BYTE = 2048
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A chunk quantised and laid out for the entropy coder."""
-
-    level: int
-    start: int
-    shape: list[int]
-    dtype: str
-    geometry: ChunkGeometry
-    coded: Coded
-    symbols: np.ndarray
-    layout: StreamLayout
-    freqs: np.ndarray
-    sections: dict[str, np.ndarray]
-
-
-@dataclass(frozen=True)
-class BlobHeader:
-    """A blob's header once checked against a codec (``KVCodec.check_header``): what decoding needs."""
-
-    level: int
-    shape: tuple[int, int, int, int]  # (layers, kv_heads, tokens, head_dim)
-    dtype: torch.dtype  # of the KV that was encoded, and is decoded
-    tables: str  # "inline" (in the blob) or "profile"
-    coder: str  # the coder (byte format) of the substreams
-    profile_id: str | None
-    model_fingerprint: str
-    start: int = 0  # context position of the first token when encoded
-
-    @property
-    def channels(self) -> int:
-        return self.shape[1] * self.shape[3]
-
 
 class KVCodec:
     """Encode and decode KV chunks; one instance per (model, codec configuration, profile).
@@ -180,7 +139,7 @@ class KVCodec:
         geo = self._geometry(layers, heads, tokens, dim, start)
         symbols = flatten_symbols(coded.symbols)
         layout = stream_layout(geo, level, self._tables)
-        sections = {"mean": _bf16_section(coded.mean), "step": _bf16_section(coded.step)}
+        sections = {"mean": bf16_section(coded.mean), "step": bf16_section(coded.step)}
         if coded.exact.shape[3]:
             sections["exact"] = coded.exact.contiguous().numpy().astype(np.float32)
         if self.profile is None:
@@ -188,7 +147,7 @@ class KVCodec:
             sections["tables"] = freqs.astype(np.uint16)
         else:
             freqs = self.profile.freqs
-        return Prepared(level, start, list(kv.shape), _dtype_name(kv.dtype), geo, coded, symbols, layout, freqs, sections)
+        return Prepared(level, start, list(kv.shape), dtype_name(kv.dtype), geo, coded, symbols, layout, freqs, sections)
 
     def encode_with_stats(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> tuple[bytes, dict[str, Any]]:
         """``encode`` plus where the bits went: coded and ideal bits, by kind and layer third."""
@@ -219,7 +178,7 @@ class KVCodec:
             raise KVShapeError("cannot encode an empty KV cache (0 tokens)")
         if kv.num_tokens > self.max_tokens:
             raise KVShapeError(f"chunk of {kv.num_tokens} tokens exceeds max_tokens={self.max_tokens}")
-        if _dtype_name(kv.dtype) not in DTYPES:
+        if dtype_name(kv.dtype) not in DTYPES:
             raise KVShapeError(f"unsupported KV dtype {kv.dtype}")
         if not torch.isfinite(kv.keys).all() or not torch.isfinite(kv.values).all():
             raise KVShapeError("KV cache contains NaN or infinite values")
@@ -234,25 +193,38 @@ class KVCodec:
                 )
 
     # ---------------------------------------------------------------- decoding
-    def decode(
-        self, blob: bytes, level: int | None = None, *, device: str | torch.device | None = None, start: int | None = None
-    ) -> KVCache:
+    def decode(self, blob: bytes | Checked, level: int | None = None, *, device: str | torch.device | None = None,
+               out: KVCache | None = None, start: int | None = None) -> KVCache:  # fmt: skip
         """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``.
 
         ``level``: when given, the level the blob must be at (a blob stored under another
         level's key is then a format error). ``device``: where to decode, instead of the
         codec's ``device`` (``BackendUnavailable`` when the blob's coder cannot decode there).
+        ``out``: the tensors to write into (of the blob's shape; e.g. a slice of a prompt's
+        preallocated KV, in the model's dtype), returned; on the CPU with the native coder
+        the substreams are then decoded and dequantised by native threads (``fused.py``).
         ``start``: context position to give the first token, default the one it was encoded
         at; another one re-rotates the keys (only with a rotary embedding).
         """
-        c = unpack(blob, self.limits)
-        h = self.check_header(c.header, len(blob), level)
+        checked = blob if isinstance(blob, Checked) else self.check(blob, level)
+        if level is not None and checked.header.level != level:
+            raise CacheGenFormatError(f"blob is at level {checked.header.level}, expected level {level}")
+        blob, h, c = checked.blob, checked.header, checked.container
+        if out is not None and out.shape != h.shape:
+            raise CacheGenFormatError(f"blob holds KV of shape {list(h.shape)}, the model's chunk is {list(out.shape)}")
         if start is not None and start != h.start:
             if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= MAX_START:
                 raise ValueError(f"start must be an integer in [0, {MAX_START}]")
             if self.rotary is None:
                 raise ValueError("decoding at another position needs the model's rotary embedding (KVCodec(rotary=...))")
-        return self._reconstruct(h, c, self.device if device is None else torch.device(device), h.start if start is None else start)
+        dev = self.device if device is None else torch.device(device)
+        return self._reconstruct(h, c, dev, blob, out, h.start if start is None else start)
+
+    def check(self, blob: bytes, level: int | None = None) -> Checked:
+        """Verify a blob's container (every checksum) and header without decoding it: the cheap half of
+        ``decode``, which a fetch thread can do while the previous chunk decodes."""
+        c = unpack(blob, self.limits, views=True)
+        return Checked(blob, self.check_header(c.header, len(blob), level), c)
 
     def check_header(self, header: Mapping[str, Any], blob_bytes: int, level: int | None = None) -> BlobHeader:
         """Check a blob's header (of a blob of ``blob_bytes`` bytes) against this codec.
@@ -289,7 +261,7 @@ class KVCodec:
         if (
             not isinstance(shape, list)
             or len(shape) != 4
-            or any(not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= _MAX_DIM for d in shape[:2] + shape[3:])
+            or any(not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= MAX_DIM for d in shape[:2] + shape[3:])
             or not isinstance(shape[2], int)
             or isinstance(shape[2], bool)
             or not 1 <= shape[2] <= self.max_tokens
@@ -319,16 +291,31 @@ class KVCodec:
             start=start,
         )
 
-    def _reconstruct(self, h: BlobHeader, c: Container, device: torch.device, start: int) -> KVCache:
+    def _reconstruct(self, h: BlobHeader, c: Container, device: torch.device, blob: bytes | memoryview,
+                     out: KVCache | None, start: int) -> KVCache:  # fmt: skip
         """The KV of a blob whose header passed ``check_header``: check its sections and substreams,
-        decode them on ``device`` and rebuild the KV there, keys at positions from ``start``."""
+        decode them on ``device`` and rebuild the KV there (into ``out`` when given), keys at
+        positions from ``start``."""
         layers, heads, tokens, dim = h.shape
         geo = self._geometry(layers, heads, tokens, dim, h.start)
         if len(c.streams) != geo.n_streams:
             raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {list(h.shape)} needs {geo.n_streams}")
         mean, step, exact, freqs = self._side_info(h, c, geo)
-        decoder = self._decoder(h.coder, device)
         layout = stream_layout(geo, h.level, self._tables)
+        native = device.type == "cpu" and fused.supports(h.coder)
+        if native:
+            layout.validate(freqs.shape[0])
+            comps = fused.decode_components(blob, [len(p) for p in c.streams], layout.offsets, layout.table_ids, freqs,
+                                            geo, step)  # fmt: skip
+        else:
+            comps = self._components_torch(h, geo, step, freqs, layout, c, device)
+        return self._synthesise(h, comps, mean.to(comps.device), exact.to(comps.device), start, out)
+
+    def _components_torch(self, h: BlobHeader, geo: ChunkGeometry, step: torch.Tensor, freqs: np.ndarray,
+                          layout: StreamLayout, c: Container, device: torch.device) -> torch.Tensor:  # fmt: skip
+        """Decode the symbols with the blob's coder on ``device`` and dequantise them with torch there:
+        float32 components ``(2, layers, heads, coded_tokens, dim)``."""
+        decoder = self._decoder(h.coder, device)
         try:
             flat = decoder.decode_symbols(c.streams, layout, freqs)
         except CoderError:
@@ -337,16 +324,30 @@ class KVCodec:
             raise CoderError(f"coder {decoder.name} failed: {e}") from e
         if flat.numel() and int(flat.min()) < OFFSET - RADIUS:
             raise CacheGenFormatError("symbol out of range")
-        dev = flat.device
-        coded = Coded(unflatten_symbols(flat, geo), mean.to(dev), step.to(dev), exact.to(dev))
-        keys, values = synthesise(coded, self._transform(layers, heads, dim), start=start, encoded_start=h.start, rotary=self.rotary)
-        out = []
+        symbols = unflatten_symbols(flat, geo)
+        return torch.stack([dequantize(symbols[kind], step[kind].to(flat.device)) for kind in range(2)])
+
+    def _synthesise(self, h: BlobHeader, comps: torch.Tensor, mean: torch.Tensor, exact: torch.Tensor, start: int,
+                    out: KVCache | None) -> KVCache:  # fmt: skip
+        """Components to KV in the blob's dtype (``pipeline.synthesise``), checked finite, written into ``out`` when given."""
+        layers, heads, _, dim = h.shape
+        keys, values = synthesise(comps, mean, exact, self._transform(layers, heads, dim), start=start,
+                                  encoded_start=h.start, rotary=self.rotary)  # fmt: skip
+        dtype = h.dtype if out is None else out.dtype
+        res = []
         for x in (keys, values):
-            x = x.to(h.dtype).contiguous()
+            x = x.to(h.dtype)  # the blob's dtype first: what decoding without ``out`` returns
             if not torch.isfinite(x).all():  # checked in the blob's dtype: float16 overflows past 65504
                 raise CacheGenFormatError("decoded KV is not finite")
-            out.append(x)
-        return KVCache(out[0], out[1])
+            x = x.to(dtype)
+            if out is not None and not torch.isfinite(x).all():
+                raise CacheGenFormatError(f"decoded KV is beyond {dtype}'s range")
+            res.append(x.contiguous())
+        if out is None:
+            return KVCache(res[0], res[1])
+        out.keys.copy_(res[0])
+        out.values.copy_(res[1])
+        return out
 
     @staticmethod
     def _decoder(coder: str, device: torch.device) -> SymbolDecoder:
@@ -381,11 +382,3 @@ class KVCodec:
         return mean, step, exact, freqs
 
 
-# -------------------------------------------------------------------- helpers
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _bf16_section(x: torch.Tensor) -> np.ndarray:
-    """bfloat16-exact float32 -> raw bits as uint16, same shape."""
-    return to_bf16_bits(x).numpy().astype(np.uint16)

@@ -58,7 +58,7 @@ class Container:
 
     header: dict[str, Any]
     sections: dict[str, np.ndarray]
-    streams: list[bytes]
+    streams: list[bytes] | list[memoryview]
 
 
 def _crc(data: bytes | memoryview) -> int:
@@ -131,8 +131,11 @@ def _int_field(header: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
     return v
 
 
-def unpack(blob: bytes | memoryview, limits: Limits = Limits()) -> Container:
-    """Parse and verify a whole blob: header, every section and every substream checksum."""
+def unpack(blob: bytes | memoryview, limits: Limits = Limits(), *, views: bool = False) -> Container:
+    """Parse and verify a whole blob: header, every section and every substream checksum.
+
+    ``views``: the substreams are memoryviews into ``blob`` instead of copies (for large
+    payloads read once; ``blob`` must then stay unchanged while they are used)."""
     mv = memoryview(blob)
     header, pos = _read_header(mv, limits)
     n = len(mv)
@@ -182,6 +185,6 @@ def unpack(blob: bytes | memoryview, limits: Limits = Limits()) -> Container:
         chunk = mv[pos : pos + length]
         if _crc(chunk) != crc:
             raise CacheGenFormatError(f"substream {i} checksum mismatch (corrupted)")
-        streams.append(bytes(chunk))
+        streams.append(chunk if views else bytes(chunk))
         pos += length
     return Container(header, sections, streams)

@@ -1,6 +1,6 @@
 """The per-chunk manifest: which options of a chunk are in the store, and how many bytes each is.
 
-A chunk is stored as one blob per option (``<chunk key>-L<level>``) and one manifest
+A chunk is stored as one blob per option (``<chunk key>-L<option>``) and one manifest
 (``<chunk key>-M``), written *after* every blob it names (:class:`~.engine.ChunkWriter`).
 Readers look the manifest up first (one ``get_many`` for a whole prompt) and fetch only
 what it names, so a reader never sees a partially written chunk: until the manifest is
@@ -8,7 +8,8 @@ there the chunk is a miss, and once it is, every level the controller may fall b
 is there too (unless the store evicted it since: a miss, recomputed). The sizes give
 the streaming controller the exact bytes of every option before any fetch.
 
-Format: UTF-8 JSON ``{"format": "cachegen-manifest-v1", "options": {"<level>": bytes, ...}}``,
+Format: UTF-8 JSON ``{"format": "cachegen-manifest-v1", "options": {"<option>": bytes, ...}}``
+where an option is a level (``"0"``, ``"1"``, ...) or a raw form (``"raw"``, ``"lossless"``),
 parsed strictly (size, types, ranges); anything else is a ``CacheGenFormatError``.
 """
 
@@ -24,6 +25,9 @@ from .errors import CacheGenFormatError
 FORMAT = "cachegen-manifest-v1"
 MAX_MANIFEST_BYTES = 4096
 MAX_LEVEL = 63
+#: The stored forms that are not levels (``raw.py``).
+RAW_OPTIONS = ("raw", "lossless")
+Option = int | str
 MAX_BLOB_BYTES = 1 << 40
 
 
@@ -34,27 +38,29 @@ def manifest_key(chunk_key: str) -> str:
 
 @dataclass(frozen=True)
 class Manifest:
-    """The stored options of one chunk: ``sizes[level]`` = bytes of that level's blob."""
+    """The stored options of one chunk: ``sizes[option]`` = bytes of that option's blob."""
 
-    sizes: Mapping[int, int]
+    sizes: Mapping[Option, int]
 
     def __post_init__(self) -> None:
-        for level, size in self.sizes.items():
-            if not _is_int(level) or not 0 <= level <= MAX_LEVEL:
-                raise ValueError(f"bad level {level!r} in a manifest")
+        for option, size in self.sizes.items():
+            if option not in RAW_OPTIONS and (not _is_int(option) or not 0 <= option <= MAX_LEVEL):
+                raise ValueError(f"bad option {option!r} in a manifest")
             if not _is_int(size) or not 0 < size <= MAX_BLOB_BYTES:
-                raise ValueError(f"bad size {size!r} for level {level} in a manifest")
-        object.__setattr__(self, "sizes", MappingProxyType(dict(sorted(self.sizes.items()))))
+                raise ValueError(f"bad size {size!r} for option {option} in a manifest")
+        ordered = sorted(self.sizes.items(), key=lambda kv: (isinstance(kv[0], int), kv[0] if isinstance(kv[0], int) else -RAW_OPTIONS.index(kv[0])))
+        object.__setattr__(self, "sizes", MappingProxyType(dict(ordered)))
 
     @property
-    def levels(self) -> list[int]:
+    def options(self) -> list[Option]:
+        """The stored options, finest first (lossless, raw, then levels)."""
         return list(self.sizes)
 
-    def __contains__(self, level: object) -> bool:
-        return level in self.sizes
+    def __contains__(self, option: object) -> bool:
+        return option in self.sizes
 
     def to_bytes(self) -> bytes:
-        body = {"format": FORMAT, "options": {str(lv): n for lv, n in self.sizes.items()}}
+        body = {"format": FORMAT, "options": {str(o): n for o, n in self.sizes.items()}}
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
@@ -70,9 +76,12 @@ class Manifest:
             raise CacheGenFormatError(f"not a {FORMAT} record")
         sizes = {}
         for key, size in body["options"].items():
-            if not (key.isascii() and key.isdigit() and len(key) <= 2):
+            if key in RAW_OPTIONS:
+                sizes[key] = size
+            elif key.isascii() and key.isdigit() and len(key) <= 2:
+                sizes[int(key)] = size
+            else:
                 raise CacheGenFormatError(f"manifest names an unknown option {key[:20]!r}")
-            sizes[int(key)] = size
         try:
             return cls(sizes)
         except ValueError as e:

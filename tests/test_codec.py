@@ -11,7 +11,7 @@ from cachegen_core.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.format import Limits, pack, read_header, unpack
 from cachegen_core.kv import KVCache, KVShapeError
-from cachegen_core.pipeline import components, quantise, synthesise
+from cachegen_core.pipeline import components, dequantise, quantise, synthesise
 from cachegen_core.profile import Profile
 from cachegen_core.transform import identity_transform
 
@@ -25,7 +25,7 @@ def _expected(kv: KVCache, codec: KVCodec, level: int, start: int = 0) -> KVCach
     tf = tf or identity_transform(kv.num_layers, kv.num_kv_heads, kv.head_dim)
     comp = components(kv, tf, start=start, sink_tokens=codec.config.sink_tokens, rotary=codec.rotary)
     coded = quantise(comp, codec.config.level_step(level), fitted=fitted, step_cap=codec.config.step_cap)
-    k, v = synthesise(coded, tf, start=start, encoded_start=start, rotary=codec.rotary)
+    k, v = synthesise(dequantise(coded), coded.mean, coded.exact, tf, start=start, encoded_start=start, rotary=codec.rotary)
     return KVCache(k.to(kv.dtype), v.to(kv.dtype))
 
 

@@ -20,7 +20,8 @@ def plain_greedy(model, tok, prompt, n=10):
 
 @pytest.fixture
 def engine(tiny_llama, tiny_tokenizer):
-    return KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, background=False)
+    # level 0 only: these tests follow the compression codec (raw forms have their own tests)
+    return KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, store_options=[0], background=False)
 
 
 def test_second_call_hits_every_complete_chunk_and_matches_plain_model(engine, tiny_llama, tiny_tokenizer):
@@ -99,7 +100,7 @@ def test_foreign_blob_planted_under_a_key_is_rejected(engine, tiny_llama, tiny_t
 
 
 def test_background_store_and_flush(tiny_llama, tiny_tokenizer):
-    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=1, background=True)
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=1, store_options=[1], background=True)
     prompt = words(9, 2 * CHUNK + 1)
     e.generate(prompt, max_new_tokens=2)
     assert e.flush(timeout=60)
@@ -176,3 +177,51 @@ def test_model_cache_appends_in_place_into_spare_capacity(tiny_llama, tiny_token
         out = tiny_llama.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                   past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=2)  # fmt: skip
     assert tiny_tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True) == text
+
+
+def test_levels_decode_where_the_model_is_when_the_coder_can_and_on_the_cpu_otherwise(engine, monkeypatch):
+    """A model on a GPU gets its chunks decoded there when the coder has a decoder that runs; the reason is
+    said when it has not (here: no GPU)."""
+    from cachegen_core.coders import registry
+
+    assert engine.reader.decode_device.type == "cpu" and engine.reader.use_device(torch.device("cpu")) is None
+    why = engine.reader.use_device(torch.device("cuda"))
+    assert engine.reader.decode_device.type == "cpu" and why  # no GPU or nvcc here: the reason is given
+
+    class FakeGpuDecoder:  # what a working GPU decoder looks like to the reader
+        def __init__(self, device):
+            self.device = device
+
+    monkeypatch.setitem(registry.DEVICE_DECODERS, (engine.codec.coder.name, "cuda"), FakeGpuDecoder)
+    assert engine.reader.use_device(torch.device("cuda")) is None and engine.reader.decode_device.type == "cuda"
+
+
+def test_finish_reason_says_why_generation_ended(engine):
+    prompt = words(60, 40)
+    text, info = engine.generate(prompt, max_new_tokens=6)
+    assert info.finish_reason == "length" and info.new_tokens == 6 and info.stop_sequence is None
+    stop = text.split()[2]
+    _, info = engine.generate(prompt, max_new_tokens=6, stop=[stop])
+    assert info.finish_reason == "stop" and info.stop_sequence == stop and info.new_tokens < 6
+
+
+def test_gqa_attention_gives_sdpas_results_without_copying_kv_heads(tiny_tokenizer):
+    """The attention the engine gives models it loads: the same logits as transformers' sdpa, on a prompt and
+    on a question after a reused cache (where sdpa copies the KV heads)."""
+    from cachegen_core.engine import hf
+    from cachegen_core.engine.attention import NAME, use_gqa_attention
+
+    base, gqa = make_tiny_llama(seed=4), make_tiny_llama(seed=4)
+    base.set_attn_implementation("sdpa")
+    gqa.set_attn_implementation("sdpa")
+    assert use_gqa_attention(gqa) and gqa.config._attn_implementation == NAME
+    ids = tiny_tokenizer(words(80, 150))["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(base(torch.tensor([ids])).logits, gqa(torch.tensor([ids])).logits, atol=1e-5)
+        past = hf.prefill(base, ids[:140])
+        a = base(torch.tensor([ids[140:]]), past_key_values=hf.model_cache(base, past)).logits
+        b = gqa(torch.tensor([ids[140:]]), past_key_values=hf.model_cache(gqa, past)).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    mha = make_tiny_llama(seed=4, kv_heads=4)
+    mha.set_attn_implementation("sdpa")
+    assert not use_gqa_attention(mha)  # nothing to gain without grouped heads: left as it is

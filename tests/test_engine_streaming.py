@@ -26,16 +26,21 @@ class SlowCountingStore(MemoryStore):
 
 
 def engine(model, tok, store, **kw):
-    return KVEngine(model, tok, store=store, chunk_tokens=CHUNK, level=0, background=False, **kw)
+    """Every level stored, no raw form: the controller's choice among levels and text is what these tests follow."""
+    kw.setdefault("level", 0)
+    return KVEngine(model, tok, store=store, chunk_tokens=CHUNK, store_options=[0, 1, 2, 3], background=False, **kw)
 
 
-def test_no_slo_fetches_the_configured_level(tiny_llama, tiny_tokenizer):
+def test_no_slo_fetches_the_fastest_option_at_least_as_fine_as_the_level(tiny_llama, tiny_tokenizer):
     store = SlowCountingStore()
-    e = engine(tiny_llama, tiny_tokenizer, store)
+    e = engine(tiny_llama, tiny_tokenizer, store, allow_text=False)
     prompt = words(2, 3 * CHUNK + 5)
     e.generate(prompt, max_new_tokens=3)
     _, info = e.generate(prompt, max_new_tokens=3)
-    assert info.levels == [0, 0, 0] and [s["option"] for s in info.stream] == [0, 0, 0]
+    assert info.levels == [0, 0, 0] and [s["option"] for s in info.stream] == [0, 0, 0]  # nothing else is as fine
+    e2 = engine(tiny_llama, tiny_tokenizer, store, level=2, allow_text=False)
+    _, info = e2.generate(prompt, max_new_tokens=3)
+    assert set(info.levels) <= {0, 1, 2}  # never coarser than the level asked for
 
 
 def test_slow_store_under_a_tight_slo_falls_back_to_text_and_stays_correct(tiny_llama, tiny_tokenizer):
@@ -56,7 +61,7 @@ def test_slo_first_chunk_uses_the_medium_level(tiny_llama, tiny_tokenizer):
     prompt = words(3, 2 * CHUNK + 1)
     e.generate(prompt, max_new_tokens=2)
     _, info = e.generate(prompt, max_new_tokens=2)
-    assert info.stream[0]["option"] == e.stream_levels[len(e.stream_levels) // 2]
+    assert info.stream[0]["option"] == e.stream_options[len(e.stream_options) // 2]
     assert info.stream[1]["option"] == 0  # a fast link: the best level fits
 
 

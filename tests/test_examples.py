@@ -12,7 +12,7 @@ import json
 import pytest
 
 from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer
-from examples import chat_history, rag_chain
+from examples import chat_history, langgraph_chat, rag_chain
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_demo_data_is_shipped_small_and_documented():
     assert rag_chain.DATA.stat().st_size < 300_000
     notes = (rag_chain.DATA.parent / "README.md").read_text()
     assert "Apache" in notes and (rag_chain.DATA.parent / "LICENSE-Apache-2.0.txt").is_file()
-    assert chat_history.DATA == rag_chain.DATA
+    assert chat_history.DATA == rag_chain.DATA == langgraph_chat.DATA
 
 
 def test_rag_chain_reuses_the_documents_on_the_warm_run(tiny_model_dir, capsys):
@@ -54,3 +54,14 @@ def test_chat_history_reads_another_file_with_data(tiny_model_dir, tmp_path, cap
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 4 and out[0].split()[:3] == ["turn", "prompt", "cached"]
     assert int(out[-1].split()[2]) > 0  # the third turn finds the history in the store
+
+
+def test_langgraph_chat_reuses_the_checkpointed_history(tiny_model_dir, capsys):
+    langgraph_chat.main(["--model", tiny_model_dir, "--turns", "4", "--doc-tokens", "100", "--chunk-tokens", "32",
+                         "--max-tokens", "4"])  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:4] == ["turn", "history", "prompt", "cached"]
+    rows = [[int(v) for v in line.split()[:4]] for line in out[1:]]
+    assert [r[1] for r in rows] == [2, 4, 6, 8]  # the checkpointer kept each turn's question and answer
+    assert rows[0][3] == 0 and all(r[3] >= 96 for r in rows[1:])  # later turns: the document's chunks and more
+    assert rows[-1][3] > rows[1][3]  # ... and the earlier turns'

@@ -142,11 +142,11 @@ def test_chat_from_model_id_takes_the_llm_options(tiny_llama, tiny_tokenizer, tm
     tiny_llama.save_pretrained(tmp_path / "m")
     tiny_tokenizer.save_pretrained(tmp_path / "m")
     chat = ChatCacheGen.from_model_id(tmp_path / "m", store=MemoryStore(), chunk_tokens=CHUNK, level=1, background=False,
-                                      generation_kwargs={"max_new_tokens": 3}, engine_kwargs={"store_levels": [1, 2]},
+                                      generation_kwargs={"max_new_tokens": 3}, engine_kwargs={"store_options": [1, 2]},
                                       max_tokens=2, stop=["w9"])  # fmt: skip
     assert isinstance(chat.llm, CacheGenLLM) and chat.llm.model_id == str(tmp_path / "m")
     assert chat.llm.generation_kwargs == {"max_new_tokens": 3}
-    assert (chat.engine.level, chat.engine.chunk_tokens, chat.engine.store_levels) == (1, CHUNK, [1, 2])
+    assert (chat.engine.level, chat.engine.chunk_tokens, chat.engine.store_options) == (1, CHUNK, [1, 2])
     assert (chat.max_tokens, chat.stop) == (2, ["w9"])
     assert chat.invoke([HumanMessage(words(56, 10))]).usage_metadata["output_tokens"] <= 2
 
@@ -170,3 +170,45 @@ def _shared_engine():
     if _ENGINE is None:
         _ENGINE = KVEngine(make_tiny_llama(), make_tiny_tokenizer(), store=MemoryStore(), chunk_tokens=CHUNK, background=False)
     return _ENGINE
+
+
+def test_chat_reports_finish_reason_and_cache_reads_in_usage(llm):
+    chat = ChatCacheGen(llm=llm)
+    messages = [SystemMessage(words(58, 40)), HumanMessage(words(59, 5))]
+    cold = chat.invoke(messages, max_new_tokens=2)
+    assert cold.response_metadata["finish_reason"] == "length" and cold.usage_metadata["output_tokens"] == 2
+    warm = chat.invoke(messages)
+    assert warm.usage_metadata["input_token_details"] == {"cache_read": warm.response_metadata["cached_tokens"]} == {"cache_read": CHUNK}
+    assert "usage_metadata" not in warm.response_metadata  # usage is the message's, not repeated in the metadata
+    stop_word = warm.content.split()[0]
+    assert chat.invoke(messages, stop=[stop_word]).response_metadata["finish_reason"] == "stop"
+
+
+def test_chat_stream_carries_usage_and_finish_reason_once(llm):
+    chat = ChatCacheGen(llm=llm)
+    messages = [HumanMessage(words(60, 20))]
+    chunks = list(chat.stream(messages))
+    with_usage = [c for c in chunks if c.usage_metadata]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
+    assert [c.response_metadata.get("finish_reason") for c in chunks].count(chunks[-1].response_metadata["finish_reason"]) == 1
+    full = chunks[0]
+    for c in chunks[1:]:
+        full += c
+    invoked = chat.invoke(messages)
+    assert full.usage_metadata["input_tokens"] == invoked.usage_metadata["input_tokens"]
+    assert full.usage_metadata["output_tokens"] == invoked.usage_metadata["output_tokens"]
+    assert full.response_metadata["model_name"] == "tiny"
+
+
+def test_with_default_settings_the_next_turn_reuses_the_last_without_flush(tiny_llama, tiny_tokenizer, tmp_path, monkeypatch):
+    """Default engine (disk store in the user cache, background writer, 1536-token chunks): the turn right
+    after a long first turn finds its complete chunks, nobody having waited for the writer."""
+    monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path))
+    chat = ChatCacheGen(llm=CacheGenLLM(engine=KVEngine(tiny_llama, tiny_tokenizer), generation_kwargs={"max_new_tokens": 4}))
+    history = [SystemMessage(words(70, 1700)), HumanMessage(words(71, 10))]
+    first = chat.invoke(history)
+    assert first.response_metadata["cached_tokens"] == 0
+    history += [first, HumanMessage(words(72, 10))]
+    second = chat.invoke(history)  # straight away: no flush()
+    assert second.response_metadata["cached_tokens"] >= 1536
+    chat.engine.flush()

@@ -12,7 +12,8 @@ CHUNK = 32
 
 @pytest.fixture
 def llm(tiny_llama, tiny_tokenizer):
-    engine = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, background=False)
+    # one stored option: every warm call streams the same KV (the adaptive choice has its own tests)
+    engine = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, store_options=[0], background=False)
     return CacheGenLLM(engine=engine, model_id="tiny", generation_kwargs={"max_new_tokens": 8})
 
 
@@ -88,3 +89,44 @@ def test_from_model_id_loads_a_local_dir_with_streaming_options(tiny_llama, tiny
     assert info["cached_tokens"] == 2 * CHUNK and len(info["stream"]) == 2
     chat = ChatCacheGen.from_model_id(tmp_path / "m", store=MemoryStore(), slo_s=1.0, background=False)
     assert chat.engine.slo_s == 1.0
+
+
+def test_finish_reason_length_at_the_token_limit_else_stop(llm):
+    prompt = words(9, 40)
+    info = llm.generate([prompt], max_new_tokens=3).generations[0][0].generation_info
+    assert info["new_tokens"] == 3 and info["finish_reason"] == "length"
+    full = llm.invoke(prompt)
+    stop_word = full.split()[1]
+    for result in (llm.generate([prompt], stop=[stop_word]), llm.generate([prompt], stop=[stop_word], max_new_tokens=2)):
+        assert result.generations[0][0].generation_info["finish_reason"] == "stop"  # a stop sequence ended it
+    chunks = list(llm._stream(prompt, stop=[stop_word]))
+    assert chunks[-1].generation_info["finish_reason"] == "stop"
+    assert list(llm._stream(prompt, max_new_tokens=2))[-1].generation_info["finish_reason"] == "length"
+
+
+def test_usage_model_name_and_token_usage_are_reported(llm):
+    prompts = [words(10, 50), words(11, 20)]
+    result = llm.generate(prompts)
+    infos = [g[0].generation_info for g in result.generations]
+    for info in infos:
+        assert info["model_name"] == "tiny"
+        assert info["usage_metadata"] == {
+            "input_tokens": info["prompt_tokens"],
+            "output_tokens": info["new_tokens"],
+            "total_tokens": info["prompt_tokens"] + info["new_tokens"],
+            "input_token_details": {"cache_read": info["cached_tokens"]},
+        }
+    usage = result.llm_output["token_usage"]
+    assert usage["prompt_tokens"] == sum(i["prompt_tokens"] for i in infos) == 70
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert result.llm_output["model_name"] == "tiny"
+    warm = llm.generate(prompts[:1]).generations[0][0].generation_info
+    assert warm["usage_metadata"]["input_token_details"]["cache_read"] == warm["cached_tokens"] == CHUNK
+
+
+def test_tracing_params_name_the_model(llm):
+    params = llm._get_ls_params(stop=["w5"])
+    assert params["ls_model_name"] == "tiny" and params["ls_provider"] == "cachegen" and params["ls_model_type"] == "llm"
+    assert params["ls_max_tokens"] == 8 and params["ls_stop"] == ["w5"]
+    assert llm._get_ls_params(max_new_tokens=4, temperature=0.5)["ls_max_tokens"] == 4
+    assert llm._get_ls_params(temperature=0.5)["ls_temperature"] == 0.5

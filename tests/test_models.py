@@ -309,3 +309,24 @@ def test_reference_model_converts_and_answers(tmp_path_factory: pytest.TempPathF
         print(f"converted in {convert_s:.1f} s, loaded in {load_s:.2f} s, answer: {answer!r}")
     finally:
         shutil.rmtree(cache, ignore_errors=True)  # 517 MB
+
+
+def test_a_model_id_of_the_local_hugging_face_cache_loads_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: None) -> None:
+    """``org/name`` found in the hub cache loads with local_files_only; one that is not there is a clear error."""
+    from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer
+
+    hub = tmp_path / "hub"
+    snap = hub / "models--tiny-org--tiny-llama" / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    make_tiny_llama().save_pretrained(snap)
+    make_tiny_tokenizer().save_pretrained(snap)
+    (hub / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (hub / "models--tiny-org--tiny-llama" / "refs" / "main").write_text(snap.name)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hub))
+    assert resolve_model("tiny-org/tiny-llama") == snap
+    model, tok = load_model("tiny-org/tiny-llama", device=-1, dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.device.type == "cpu" and tok.eos_token == "</s>"
+    with pytest.raises(ModelNotFoundError, match="local Hugging Face cache.*never"):
+        resolve_model("tiny-org/not-downloaded")
+    with pytest.raises(ValueError, match="device or device_map"):
+        load_model("tiny-org/tiny-llama", device="cpu", device_map="auto")

@@ -24,6 +24,7 @@ from cachegen_core.stores import DiskCacheStore, KVStore, MemoryStore, RedisStor
 from langchain_cachegen.stores import ByteStoreKVStore
 from cachegen_core.testing import free_port, start_redis_server
 from tests.redis_fixture import redis_server_binary
+from tests.tls_fixture import make_tls_files
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ["memory", "disk", "redis", "bytestore"]
@@ -472,25 +473,8 @@ def test_redis_password_and_acl_user_pass_through(fresh_redis_server):
         intruder.get("k")
 
 
-def _make_tls_files(d: Path) -> dict[str, str]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("openssl not found: cannot make a test certificate")
-
-    def run(*args: str) -> None:
-        subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True)
-
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-        "-subj", "/CN=cachegen-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=127.0.0.1")
-    (d / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost")
-    run("x509", "-req", "-in", "srv.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "srv.crt",
-        "-days", "2", "-extfile", "ext")
-    return {"cert": str(d / "srv.crt"), "key": str(d / "srv.key"), "ca": str(d / "ca.crt")}
-
-
 def test_redis_tls_pass_through(tmp_path):
-    tls = _make_tls_files(tmp_path)
+    tls = make_tls_files(tmp_path)
     try:
         server = start_redis_server(redis_server_binary(), tls=tls)
     except RuntimeError as exc:

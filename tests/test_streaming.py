@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from benchmarks.throttled_proxy import TRACES, TraceLink, load_traces
 from cachegen_core.streaming import (
+    LOSSLESS,
+    RAW,
     TEXT,
     ChunkCost,
     Controller,
@@ -20,6 +22,7 @@ from cachegen_core.streaming import (
     choose,
     make_estimator,
     predict_finish,
+    rank,
     stream_batch,
     stream_chunks,
     unique_in_order,
@@ -95,52 +98,56 @@ def test_predict_finish_is_a_two_stage_pipeline():
     assert predict_finish(two, TEXT, busy_s=0.5, **kw) == pytest.approx(1 + 0.5 + 2 * 7 * 0.1)
 
 
-def test_first_chunk_uses_the_medium_level_and_no_slo_the_best():
+def test_first_chunk_uses_the_medium_level_and_no_slo_the_floor():
     kw = dict(elapsed_s=0.0, prefill_s_per_token=1e-3)
-    assert choose(costs(3), levels=[3, 1, 0, 2], slo_s=1.0, bandwidth=None, **kw).option == 2
-    assert choose(costs(3), levels=[0, 1, 2], slo_s=1.0, bandwidth=None, **kw).option == 1
-    assert choose(costs(3), levels=LEVELS, slo_s=None, bandwidth=None, **kw).option == 0
-    slow = choose(costs(3), levels=LEVELS, slo_s=None, bandwidth=1.0, **kw)  # hopelessly slow, but no SLO
+    assert choose(costs(3), options=[3, 1, 0, 2], slo_s=1.0, bandwidth=None, **kw).option == 2
+    assert choose(costs(3), options=[0, 1, 2], slo_s=1.0, bandwidth=None, **kw).option == 1
+    assert choose(costs(3), options=LEVELS, slo_s=None, bandwidth=None, **kw).option == 0
+    assert choose(costs(3), options=LEVELS, slo_s=None, bandwidth=None, floor=2, **kw).option == 2
+    slow = choose(costs(3), options=LEVELS, slo_s=None, bandwidth=1.0, allow_text=False, **kw)  # hopelessly slow, no SLO
     assert slow.option == 0 and slow.predicted_finish_s > 1e6
+    # no SLO, but a link that slow: text (exact, 4.6 s) is the fastest option at least as fine as level 0
+    assert choose(costs(3), options=LEVELS, slo_s=None, bandwidth=1.0, **kw).option == TEXT
 
 
 def test_degrades_level_by_level_then_text():
     picks = []
     for bw in (100 * MB, 12 * MB, 9 * MB, 5 * MB, 0.5 * MB):
-        d = choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=bw, prefill_s_per_token=2e-4, safety=1.0)
+        d = choose(costs(3), options=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=bw, prefill_s_per_token=2e-4, safety=1.0)
         assert d.feasible and d.predicted_finish_s <= 1.0 and d.estimate_bps == bw
         picks.append(d.option)
     assert picks == [0, 1, 2, 3, TEXT]
     # nothing fits (text too slow as well): the option predicted to finish first
-    d = choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=0.5 * MB, prefill_s_per_token=1.0)
+    d = choose(costs(3), options=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=0.5 * MB, prefill_s_per_token=1.0)
     assert not d.feasible and d.option == 3
     # text disallowed: the coarsest level, flagged as a predicted miss
-    d = choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=0.5 * MB, prefill_s_per_token=1e-4, allow_text=False)
+    d = choose(costs(3), options=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=0.5 * MB, prefill_s_per_token=1e-4, allow_text=False)
     assert not d.feasible and d.option == 3
 
 
 def test_text_wins_over_a_feasible_level_that_would_finish_later():
     # 3 chunks, text 3 * 1536 * 1e-4 = 0.46 s; at 12 MB/s level 1 (3 MB each) takes 0.76 s:
     # both fit the 1 s SLO, text is lossless and sooner, so it is taken
-    kw = dict(levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=12 * MB, safety=1.0)
+    kw = dict(options=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=12 * MB, safety=1.0)
     d = choose(costs(3), prefill_s_per_token=1e-4, **kw)
     assert d.option == TEXT and d.feasible and d.predicted_finish_s == pytest.approx(3 * 1536 * 1e-4)
     # slower prefill (0.92 s): level 1 finishes first and keeps the pick
     assert choose(costs(3), prefill_s_per_token=2e-4, **kw).option == 1
     # without text, the level
     assert choose(costs(3), prefill_s_per_token=1e-4, allow_text=False, **kw).option == 1
-    # no SLO: the best level, as before, even where text would be faster
-    assert choose(costs(3), levels=LEVELS, elapsed_s=0, slo_s=None, bandwidth=1 * MB, prefill_s_per_token=1e-6).option == 0
+    # no SLO: the fastest option at least as fine as the floor; text is exact, so it qualifies when faster
+    assert choose(costs(3), options=LEVELS, elapsed_s=0, slo_s=None, bandwidth=1 * MB, prefill_s_per_token=1e-6).option == TEXT
+    assert choose(costs(3), options=LEVELS, elapsed_s=0, slo_s=None, bandwidth=1 * MB, prefill_s_per_token=1e-2).option == 0
 
 
 def test_batch_size_scales_the_expected_delay():
-    kw = dict(levels=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=20 * MB, prefill_s_per_token=1e-2)
+    kw = dict(options=LEVELS, elapsed_s=0, slo_s=1.0, bandwidth=20 * MB, prefill_s_per_token=1e-2)
     one, four = choose(costs(2), **kw), choose(costs(2), n_requests=4, **kw)
     assert one.option == 0 and RANK[four.option] > RANK[one.option]
 
 
 def test_safety_margin_and_time_already_spent():
-    kw = dict(levels=LEVELS, slo_s=1.0, bandwidth=10 * MB, prefill_s_per_token=1.0)
+    kw = dict(options=LEVELS, slo_s=1.0, bandwidth=10 * MB, prefill_s_per_token=1.0)
     # two chunks at level 0 take 0.81 s: fits 1.0 s, not 0.75 * 1.0 s; level 1 takes 0.61 s
     assert choose(costs(2), elapsed_s=0, safety=1.0, **kw).option == 0
     assert choose(costs(2), elapsed_s=0, safety=0.75, **kw).option == 1
@@ -169,7 +176,7 @@ situation = dict(
 @settings(max_examples=300, deadline=None)
 @given(**situation)
 def test_never_picks_a_predicted_miss_when_an_option_fits(remaining, bw, slo, elapsed, busy, prefill, n, safety):
-    d = choose(remaining, levels=LEVELS, elapsed_s=elapsed, slo_s=slo, bandwidth=bw, prefill_s_per_token=prefill,
+    d = choose(remaining, options=LEVELS, elapsed_s=elapsed, slo_s=slo, bandwidth=bw, prefill_s_per_token=prefill,
                n_requests=n, busy_s=busy, safety=safety)  # fmt: skip
     finish = {o: predict_finish(remaining, o, elapsed_s=elapsed, bandwidth=bw, prefill_s_per_token=prefill,
                                 n_requests=n, busy_s=busy) for o in RANK}  # fmt: skip
@@ -188,7 +195,7 @@ def test_never_picks_a_predicted_miss_when_an_option_fits(remaining, bw, slo, el
 @settings(max_examples=200, deadline=None)
 @given(**situation, drop=st.floats(0.01, 1.0))
 def test_a_slower_link_never_picks_a_finer_level(remaining, bw, slo, elapsed, busy, prefill, n, safety, drop):
-    kw = dict(levels=LEVELS, elapsed_s=elapsed, slo_s=slo, prefill_s_per_token=prefill, n_requests=n, busy_s=busy, safety=safety)
+    kw = dict(options=LEVELS, elapsed_s=elapsed, slo_s=slo, prefill_s_per_token=prefill, n_requests=n, busy_s=busy, safety=safety)
     fast, slow = choose(remaining, bandwidth=bw, **kw), choose(remaining, bandwidth=bw * drop, **kw)
     if slow.feasible and TEXT not in (fast.option, slow.option):
         assert slow.option >= fast.option
@@ -247,7 +254,8 @@ def test_meets_a_feasible_slo_on_fluctuating_traces(trace, estimator):
     assert finish <= slo, options
     assert options[0] == 2 and TEXT not in options
     assert sum(options) < 3 * len(options)  # it used the slack: not the coarsest level throughout
-    best_finish, best = simulate(cs, Controller(LEVELS), make_estimator(estimator), link)
+    # the best level throughout (no SLO, no text: only level 0 is as fine as the floor) misses it
+    best_finish, best = simulate(cs, Controller(LEVELS, allow_text=False), make_estimator(estimator), link)
     assert best == [0] * len(cs) and best_finish > finish
 
 
@@ -277,7 +285,7 @@ def test_link_drop_degrades_to_lower_levels_then_text():
     assert first_use[0] == 0 and first_use[-1] == TEXT and len(first_use) >= 3  # a coarser level before text
     # the chunk in flight when the link collapses was planned at 2 Gbit/s: the SLO is not always
     # reachable, but the plan is far ahead of staying at the best level
-    best_finish, _ = simulate(cs, Controller(LEVELS), make_estimator("harmonic"), link)
+    best_finish, _ = simulate(cs, Controller(LEVELS, allow_text=False), make_estimator("harmonic"), link)
     assert finish < best_finish / 2
 
 
@@ -382,7 +390,8 @@ def test_failures_keep_the_decoded_prefix():
             raise OSError("store died")
         return b"ok"
 
-    kw = dict(decode=lambda b, c, lv: c, on_text=lambda c: c, controller=Controller(LEVELS), estimator=HarmonicMeanEstimator())
+    fetching = Controller(LEVELS, allow_text=False)  # tiny fake blobs measure a slow link: keep every chunk fetched
+    kw = dict(decode=lambda b, c, lv: c, on_text=lambda c: c, controller=fetching, estimator=HarmonicMeanEstimator())
     with pytest.raises(StreamFailure) as err:
         stream_chunks([0, 1, 2, 3], costs(4), fetch=fetch, **kw)
     assert err.value.index == 2 and err.value.chunk == 2 and isinstance(err.value.cause, OSError)
@@ -407,15 +416,62 @@ def test_a_level_a_chunk_lacks_is_never_chosen():
     """Chunks list only what is stored for them (the manifest): a missing level is infeasible, not a KeyError."""
     full = costs(1)[0]
     only_coarse = ChunkCost({3: 1 * MB}, {3: 0.01}, 1536)
-    d = choose([only_coarse, full], levels=LEVELS, elapsed_s=0.0, slo_s=None, bandwidth=100 * MB, prefill_s_per_token=1e-3)
+    d = choose([only_coarse, full], options=LEVELS, elapsed_s=0.0, slo_s=None, bandwidth=100 * MB, prefill_s_per_token=1e-3, floor=3)
     assert d.option == 3
-    d = choose([full, only_coarse], levels=LEVELS, elapsed_s=0.0, slo_s=10.0, bandwidth=100 * MB, prefill_s_per_token=1e-3)
+    d = choose([only_coarse, full], options=LEVELS, elapsed_s=0.0, slo_s=None, bandwidth=100 * MB, prefill_s_per_token=1e-3)
+    assert d.option == TEXT  # no deadline, and nothing as fine as level 0 stored: recompute rather than degrade
+    d = choose([full, only_coarse], options=LEVELS, elapsed_s=0.0, slo_s=10.0, bandwidth=100 * MB, prefill_s_per_token=1e-3)
     assert d.option == 3  # every other level would have to be sent for the second chunk too
     assert predict_finish([full, only_coarse], 0, elapsed_s=0.0, bandwidth=MB, prefill_s_per_token=1e-3) == float("inf")
     nothing = ChunkCost({}, {}, 1536)
-    assert choose([nothing], levels=LEVELS, elapsed_s=0.0, slo_s=1.0, bandwidth=MB, prefill_s_per_token=1e-3).option == TEXT
+    assert choose([nothing], options=LEVELS, elapsed_s=0.0, slo_s=1.0, bandwidth=MB, prefill_s_per_token=1e-3).option == TEXT
     with pytest.raises(ValueError, match="text is not allowed"):
-        choose([nothing], levels=LEVELS, elapsed_s=0.0, slo_s=1.0, bandwidth=MB, prefill_s_per_token=1e-3, allow_text=False)
+        choose([nothing], options=LEVELS, elapsed_s=0.0, slo_s=1.0, bandwidth=MB, prefill_s_per_token=1e-3, allow_text=False)
+
+
+def raw_and_levels(n, raw_mb=8.0, raw_decode=0.005, level_decode=0.05):
+    """Chunks stored raw (``raw_mb`` MB, nearly free to decode) and at levels 0-3 ((4 - L) MB, ``level_decode`` s)."""
+    sizes = {RAW: int(raw_mb * MB), **{lv: (4 - lv) * MB for lv in LEVELS}}
+    decode = {RAW: raw_decode, **{lv: level_decode for lv in LEVELS}}
+    return [ChunkCost(sizes, decode, 1536) for _ in range(n)]
+
+
+def test_option_ranks_put_exact_forms_first():
+    assert sorted([3, RAW, 0, LOSSLESS, 1], key=rank) == [LOSSLESS, RAW, 0, 1, 3]
+    with pytest.raises(ValueError, match="not a stored option"):
+        rank(TEXT)
+    assert Controller([2, RAW, 0]).options == (RAW, 0, 2)
+
+
+def test_no_slo_picks_the_fastest_option_at_least_as_fine_as_the_floor():
+    kw = dict(options=[RAW, *LEVELS], elapsed_s=0.0, slo_s=None, prefill_s_per_token=1e-2, floor=1)  # text: 15 s a chunk
+    fast = choose(raw_and_levels(5), bandwidth=10_000 * MB, **kw)  # a memory store: raw arrives before a level decodes
+    assert fast.option == RAW
+    slow = choose(raw_and_levels(5), bandwidth=10 * MB, **kw)  # a slow link: the coarsest level allowed (1)
+    assert slow.option == 1
+    assert choose(raw_and_levels(5), bandwidth=10 * MB, **{**kw, "floor": RAW}).option == RAW  # nothing coarser allowed
+    # with a cheap prefill (1.5 s a chunk), computing a chunk while the 10 MB/s link brings the others wins
+    assert choose(raw_and_levels(5), bandwidth=10 * MB, **{**kw, "floor": RAW, "prefill_s_per_token": 1e-3}).option == TEXT
+    # predictions are of the whole stream: raw everywhere takes 5 * 8 MB / 10 GB/s + 5 ms decode
+    assert fast.predicted_finish_s == pytest.approx(5 * 8 * MB / (10_000 * MB) + 5 * 0.005, rel=0.2)
+
+
+def test_no_slo_mixes_raw_and_levels_when_both_stages_can_work():
+    """Link and decoder both busy: raw chunks (heavy on the link) between levels (heavy on the decoder)
+    finish sooner than either alone, and the controller's greedy plan finds the mix."""
+    cs = raw_and_levels(8, raw_mb=8.0, raw_decode=0.002, level_decode=0.15)
+    kw = dict(options=[RAW, *LEVELS], slo_s=None, prefill_s_per_token=1.0, floor=1)
+    bw = 60 * MB  # raw: 0.133 s on the link; level 1: 0.05 s on the link, 0.15 s decoding
+    picks, link, compute = [], 0.0, 0.0
+    for i in range(len(cs)):
+        d = choose(cs[i:], elapsed_s=link, bandwidth=bw, busy_s=max(compute - link, 0.0), **kw)
+        picks.append(d.option)
+        link += cs[i].sizes[d.option] / bw
+        compute = max(compute, link) + cs[i].decode_s[d.option]
+    only_raw = predict_finish(cs, RAW, elapsed_s=0.0, bandwidth=bw, prefill_s_per_token=1.0)
+    only_one = predict_finish(cs, 1, elapsed_s=0.0, bandwidth=bw, prefill_s_per_token=1.0)
+    assert RAW in picks and 1 in picks, picks
+    assert compute < 0.85 * min(only_raw, only_one), (picks, compute, only_raw, only_one)
 
 
 # ------------------------------------------------------------------ batches
@@ -432,7 +488,7 @@ def test_batch_shares_fetches_and_decodes():
         decodes.append(chunk)
         return object()
 
-    res = stream_batch(requests, cs, fetch=fetch, decode=decode, on_text=lambda c: None, controller=Controller(LEVELS),
+    res = stream_batch(requests, cs, fetch=fetch, decode=decode, on_text=lambda c: None, controller=Controller(LEVELS, allow_text=False),
                        estimator=HarmonicMeanEstimator())  # fmt: skip
     assert sorted(fetches) == sorted(decodes) == ["a", "b", "c", "d", "e"]  # once each
     assert [len(p) for p in res.parts] == [3, 3, 1, 1]

@@ -47,10 +47,10 @@ def test_manifest_is_written_after_every_blob_it_names(tiny_llama, tiny_tokenize
     e.generate(prompt, max_new_tokens=1)
     for c in e.chunks(prompt):
         m = Manifest.from_bytes(store.get(manifest_key(c.key)))
-        assert m.levels == e.store_levels
-        blobs = [store.order.index(blob_key(c.key, lv)) for lv in m.levels]
+        assert m.options == e.store_options
+        blobs = [store.order.index(blob_key(c.key, lv)) for lv in m.options]
         assert max(blobs) < store.order.index(manifest_key(c.key))
-        assert all(m.sizes[lv] == len(store.get(blob_key(c.key, lv))) for lv in m.levels)
+        assert all(m.sizes[lv] == len(store.get(blob_key(c.key, lv))) for lv in m.options)
 
 
 def test_a_reader_racing_the_writer_finds_every_level_the_manifest_names(tiny_llama, tiny_tokenizer, tiny_kv):
@@ -66,7 +66,7 @@ def test_a_reader_racing_the_writer_finds_every_level_the_manifest_names(tiny_ll
                 raw = store.get(manifest_key(c.key))
                 if raw is None:
                     continue
-                for lv in Manifest.from_bytes(raw).levels:
+                for lv in Manifest.from_bytes(raw).options:
                     if store.get(blob_key(c.key, lv)) is None:
                         seen_partial.append((c.index, lv))
                 seen_whole.add(c.index)
@@ -98,9 +98,9 @@ def test_engine_reading_while_the_writer_writes_never_misses_a_named_blob(tiny_l
 
 def test_writer_rejects_levels_the_codec_lacks(tiny_llama, tiny_tokenizer):
     e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, background=False)
-    with pytest.raises(ValueError, match="not in the codec"):
+    with pytest.raises(ValueError, match="neither raw forms"):
         ChunkWriter(e.codec, MemoryStore(), [0, 9], background=False)
-    with pytest.raises(ValueError, match="at least one level"):
+    with pytest.raises(ValueError, match="at least one option"):
         ChunkWriter(e.codec, MemoryStore(), [], background=False)
 
 
@@ -131,4 +131,21 @@ def test_a_bad_manifest_is_a_reported_miss(tiny_llama, tiny_tokenizer):
 
 def test_manifest_round_trip():
     m = Manifest({3: 10, 0: 99})
-    assert Manifest.from_bytes(m.to_bytes()) == m and m.levels == [0, 3] and 3 in m and 1 not in m
+    assert Manifest.from_bytes(m.to_bytes()) == m and m.options == [0, 3] and 3 in m and 1 not in m
+    m = Manifest({1: 4, "raw": 8, "lossless": 16})
+    assert Manifest.from_bytes(m.to_bytes()) == m and m.options == ["lossless", "raw", 1]
+
+
+def test_writers_of_different_forms_keep_each_others_blobs_named(tiny_llama, tiny_tokenizer):
+    """Two engine configurations share a store: the manifest names every form either stored."""
+    store = MemoryStore()
+    a = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, level=0, store_options=[0], background=False)
+    b = KVEngine(tiny_llama, tiny_tokenizer, codec=a.codec, store=store, chunk_tokens=CHUNK, level=3, store_options=["raw", 3],
+                 background=False)  # fmt: skip
+    prompt = words(24, 2 * CHUNK + 1)
+    a.generate(prompt, max_new_tokens=1)
+    b.store_kv(prompt)
+    for c in a.chunks(prompt):
+        assert Manifest.from_bytes(store.get(manifest_key(c.key))).options == ["raw", 0, 3]
+    _, info = a.generate(prompt, max_new_tokens=1)
+    assert info.cached_tokens == 2 * CHUNK and info.levels == [0, 0]  # a's own form is still found

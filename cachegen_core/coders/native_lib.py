@@ -53,19 +53,25 @@ def describe(code: int) -> str:
     return _ERRORS.get(int(code), f"error {int(code)}")
 
 
-def compile_into_cache(source: str, command: list[str]) -> Path:
-    """Build ``csrc/<source>`` once into the user cache (keyed by sources and command)."""
-    src = CSRC / source
-    key = src.read_bytes() + (CSRC / "rans_core.h").read_bytes() + " ".join(command).encode()
-    out = cache_dir("native") / f"lib{src.stem}-{hashlib.blake2b(key, digest_size=8).hexdigest()}.so"
+def compile_into_cache(source: str | Sequence[str], command: list[str]) -> Path:
+    """Build ``csrc/<source>`` (one file or several) once into the user cache, keyed by the sources,
+    every header of ``csrc/`` and the command."""
+    sources = [CSRC / s for s in ([source] if isinstance(source, str) else source)]
+    key = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h"))]) + " ".join(command).encode()
+    out = cache_dir("native") / f"lib{sources[0].stem}-{hashlib.blake2b(key, digest_size=8).hexdigest()}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        proc = subprocess.run([*command, str(src), "-I", str(CSRC), "-o", str(tmp)], capture_output=True, text=True)
+        proc = subprocess.run([*command, *map(str, sources), "-I", str(CSRC), "-o", str(tmp)], capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"{command[0]} failed: {proc.stderr[-2000:]}")
         tmp.replace(out)
     return out
+
+
+#: The sources of the CPU library, and its compiler flags (as setup.py builds it).
+CPU_SOURCES = ("rans_cpu.cpp", "kv_fused.cpp")
+CPU_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off"]
 
 
 def _library_path() -> Path:
@@ -77,7 +83,7 @@ def _library_path() -> Path:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None or not (CSRC / "rans_cpu.cpp").exists():
         raise RuntimeError("the native library is not built and no C++ compiler or sources are here")
-    return compile_into_cache("rans_cpu.cpp", [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread"])
+    return compile_into_cache(CPU_SOURCES, [cxx, *CPU_FLAGS])
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -89,6 +95,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cg_build_tables": ([p, i32, i32, i32, p, p], ctypes.c_int),
         "cg_encode": ([p, p, i32, p, i32, p, i32, i32, p, p, p, i32], ctypes.c_int),
         "cg_decode": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, p, p, i32], ctypes.c_int),
+        "cg_decode_components": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i64, i32, p, p, p, i32], ctypes.c_int),
     }
     for fn, (args, res) in signatures.items():
         getattr(lib, fn).argtypes = args

@@ -13,6 +13,7 @@ and this coder refuses ones longer than ``max_stream_symbols`` clearly.
 from __future__ import annotations
 
 import importlib.util
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -54,6 +55,18 @@ class ReferenceCoder:
 
     def __init__(self, max_stream_symbols: int = 1 << 20) -> None:
         self.max_stream_symbols = max_stream_symbols
+        self._last: tuple[weakref.ref, torch.Tensor] | None = None  # the CDFs of the last table set
+
+    def _cdfs(self, freqs: np.ndarray) -> torch.Tensor:
+        """Validated torchac CDFs of ``freqs``, converted once per table set (a profile's are reused by
+        every chunk, as the native coder's are; arrays must not change in place after coding with them)."""
+        last = self._last
+        if last is not None and last[0]() is freqs:
+            return last[1]
+        validate_freqs(freqs)
+        cdf = _cdf_table(freqs)
+        self._last = (weakref.ref(freqs), cdf)
+        return cdf
 
     def _per_symbol_cdf(self, cdf: torch.Tensor, table_ids: np.ndarray, n: int) -> torch.Tensor:
         if n > self.max_stream_symbols:
@@ -65,14 +78,13 @@ class ReferenceCoder:
         return cdf.index_select(0, idx)
 
     def encode(self, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray) -> list[bytes]:
-        validate_freqs(freqs)
+        cdf = self._cdfs(freqs)
         layout.validate(freqs.shape[0])
         if symbols.dtype != np.uint8 or symbols.ndim != 1 or symbols.shape[0] != layout.n_symbols:
             raise CoderError("symbols must be a flat uint8 array matching the layout")
         if symbols.size and int(symbols.max()) >= freqs.shape[1]:
             raise CoderError(f"symbol {int(symbols.max())} outside the alphabet of {freqs.shape[1]}")
         tac = _backend()
-        cdf = _cdf_table(freqs)
         out: list[bytes] = []
         for s in range(layout.n_streams):
             a, b = int(layout.offsets[s]), int(layout.offsets[s + 1])
@@ -84,12 +96,11 @@ class ReferenceCoder:
         return out
 
     def decode(self, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray) -> np.ndarray:
-        validate_freqs(freqs)
+        cdf = self._cdfs(freqs)
         layout.validate(freqs.shape[0])
         if len(payloads) != layout.n_streams:
             raise CoderError(f"expected {layout.n_streams} substreams, got {len(payloads)}")
         tac = _backend()
-        cdf = _cdf_table(freqs)
         out = np.empty(layout.n_symbols, dtype=np.uint8)
         for s in range(layout.n_streams):
             a, b = int(layout.offsets[s]), int(layout.offsets[s + 1])

@@ -4,6 +4,7 @@
 - :mod:`.reader`: :class:`ChunkReader` (manifest lookup, fetch, checked decode, the batched stream);
 - :mod:`.writer`: :class:`ChunkWriter` (encode every stored level, write, manifest last; background worker);
 - :mod:`.cost`: :class:`CostModel` (the per-token costs the streaming controller plans with);
+- :mod:`.attention`: SDPA attention reading grouped KV heads in place (for models the engine loads);
 - :mod:`.hf`: the transformers side (prefill, generation on a reused KV, stop strings, first-token time);
 - :mod:`.info`: :class:`GenerationInfo` (what one request did).
 """

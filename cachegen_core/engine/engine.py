@@ -28,10 +28,15 @@ from ..config import CodecConfig
 from ..errors import CacheGenError, StoreError
 from ..fingerprint import model_fingerprint
 from ..kv import KVCache
+from ..metrics import EngineMetrics, MetricsRecorder, engine_metrics
 from ..profile import Profile
+from ..progress import progress_bar
+from ..settings import engine_options, resolve_store
 from ..stores.base import KVStore
-from ..streaming import Controller, make_estimator
+from ..raw import RawCodec
+from ..streaming import LOSSLESS, RAW, RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
+from .attention import use_gqa_attention
 from .cost import CostModel
 from .info import GenerationInfo
 from .reader import ChunkReader, report
@@ -43,14 +48,19 @@ log = logging.getLogger("cachegen_core.engine")
 class KVEngine:
     """CacheGen over one Hugging Face causal LM, one ``KVCodec`` and one ``KVStore``.
 
-    ``chunk_tokens``: tokens per stored chunk. ``level``: the finest level fetched on a
-    hit (default: the codec's default); without ``slo_s`` every hit uses it.
-    ``store_levels``: levels written on a miss (default: all). ``slo_s``: time budget
-    for fetching and decoding a prompt's cached chunks; the streaming controller then
-    picks, chunk by chunk, ``level`` or a coarser stored level, or sends the chunk as
-    text to be prefilled, from the bandwidth measured by ``estimator`` (``"harmonic"``
-    or ``"last"``). ``background``: store new chunks in a worker thread (True) or inline
-    before returning (False, deterministic for scripts and tests).
+    ``chunk_tokens``: tokens per stored chunk. ``level``: the quality a hit must have without a
+    deadline: a compression level (default: the codec's default), ``"raw"`` (16-bit KV) or
+    ``"lossless"`` (the KV exactly: answers identical to no cache). ``store_options``: what a
+    miss writes, levels and raw forms (default: the exact 16-bit form — ``"lossless"`` for a
+    16-bit model, else ``"raw"`` — plus ``level``, and with ``slo_s`` the coarsest level;
+    ``["lossless"]`` for ``level="lossless"``). Without ``slo_s`` each cached chunk is streamed in the option
+    predicted to finish the prompt's chunks first among those at least as fine as ``level``
+    (or prefilled as text); with ``slo_s`` (seconds to fetch and decode them) the controller
+    picks, chunk by chunk, the finest stored option that meets the deadline at the bandwidth
+    measured by ``estimator`` (``"harmonic"`` or ``"last"``), or text (``allow_text=False``: a
+    cached chunk is never recomputed instead). ``background``: store new chunks in a worker
+    thread (True) or inline before returning (False, deterministic for scripts and tests). ``progress``: a bar on
+    stderr while ``store_kv`` encodes chunks (on a terminal only; None: ``CACHEGEN_PROGRESS``).
     """
 
     def __init__(
@@ -61,13 +71,15 @@ class KVEngine:
         store: KVStore | None = None,
         *,
         chunk_tokens: int = 1536,
-        level: int | None = None,
-        store_levels: Sequence[int] | None = None,
+        level: Option | None = None,
+        store_options: Sequence[Option] | None = None,
         background: bool = True,
         queue_size: int = 64,
         add_special_tokens: bool = True,
         slo_s: float | None = None,
         estimator: str = "harmonic",
+        allow_text: bool = True,
+        progress: bool | None = None,
     ) -> None:
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be >= 1")
@@ -77,26 +89,30 @@ class KVEngine:
         self.codec = codec or KVCodec(fingerprint=self.fingerprint)
         if not self.codec.fingerprint:
             self.codec.fingerprint = self.fingerprint
-        if store is None:
-            from ..stores.disk import DiskCacheStore  # noqa: PLC0415
-
-            store = DiskCacheStore()
+        store = resolve_store(store)  # CACHEGEN_STORE when None; signed when CACHEGEN_HMAC_KEY is set
         self.chunk_tokens = chunk_tokens
         self.level = self.codec.config.default_level if level is None else level
-        if self.level not in self.codec.levels:
-            raise ValueError(f"level {self.level} not in {self.codec.levels}")
-        self.store_levels = list(self.codec.levels if store_levels is None else store_levels)
-        if self.level not in self.store_levels:
-            raise ValueError(f"the fetched level {self.level} must be among store_levels {self.store_levels}")
+        if self.level not in (*RAW_OPTIONS, *self.codec.levels):
+            raise ValueError(f"level {self.level!r} is neither a raw form {RAW_OPTIONS} nor in {self.codec.levels}")
+        self.store_options = list(store_options) if store_options is not None else self._default_options(slo_s)
+        if not any(rank(o) <= rank(self.level) for o in self.store_options):
+            raise ValueError(f"store_options {self.store_options} hold nothing as fine as level {self.level!r}")
         self.add_special_tokens = add_special_tokens
         self.slo_s = slo_s
+        self.allow_text = allow_text
         self.estimator_name = estimator
         self.estimator = make_estimator(estimator)
-        self.cost_model = CostModel()
         self.kv_geometry = hf.kv_geometry(model.config)
-        self.writer = ChunkWriter(self.codec, store, self.store_levels, background=background, queue_size=queue_size)
-        self.reader = ChunkReader(self.codec, store, self.kv_geometry, self.cost_model, self.writer.health)
+        self.cost_model = CostModel(2 * self.kv_geometry[0] * self.kv_geometry[1] * self.kv_geometry[2])
+        raw = RawCodec(self.fingerprint, limits=self.codec.limits, max_tokens=self.codec.max_tokens)
+        self.writer = ChunkWriter(self.codec, store, self.store_options, raw=raw, background=background, queue_size=queue_size)
+        self.reader = ChunkReader(self.codec, store, self.kv_geometry, self.cost_model, self.writer.health, raw=raw)
+        why = self.reader.use_device(model.device)
+        if why is not None:
+            log.warning("the model is on %s but chunks decode on the CPU: %s", model.device, why)
         self._lock = threading.Lock()  # one model call at a time
+        self.progress = progress  # progress bar on store_kv (None: CACHEGEN_PROGRESS, else on a terminal)
+        self.metrics_recorder = MetricsRecorder()
 
     @classmethod
     def from_pretrained(
@@ -107,24 +123,35 @@ class KVEngine:
         store: KVStore | None = None,
         profile: Profile | str | Path | None = "auto",
         config: CodecConfig | None = None,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: str | int | torch.device | None = None,
+        device_map: str | dict[str, Any] | None = None,
+        model_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> KVEngine:
-        """Load a model (local dir, ``.gguf`` file, or the bundled reference model's short name) and build an engine.
+        """Load a model (local dir, ``.gguf`` file, a model id of the local Hugging Face cache, or the
+        bundled reference model's short name) and build an engine.
 
-        ``profile="auto"`` uses the profile stored beside the model in the user cache
-        when there is one for this codec configuration, else chunks carry their own tables.
+        ``dtype``, ``device``, ``device_map`` and ``model_kwargs`` go to ``models.load_model`` (the
+        CPU by default). ``profile="auto"`` uses the profile stored beside the model in the user
+        cache when there is one for this codec configuration, else chunks carry their own tables.
+        ``CACHEGEN_*`` settings (``docs/configuration.md``) fill the arguments not given (or None);
+        ``decode_limits=DecodeLimits(...)`` tightens what a stored blob may make the decoder allocate.
         """
         if isinstance(path_or_model, (str, Path)):
             from ..models import load_model  # noqa: PLC0415
 
-            model, tok = load_model(path_or_model, dtype=dtype)
+            if device is None and device_map is None:
+                device = "cpu"
+            model, tok = load_model(path_or_model, dtype=dtype, device=device, device_map=device_map, model_kwargs=model_kwargs)
+            use_gqa_attention(model)  # a model of our own: its grouped KV heads read in place (attention.py)
             tokenizer = tokenizer or tok
         else:
             model = path_or_model
             if tokenizer is None:
                 raise ValueError("pass tokenizer= with a model object")
         fp = model_fingerprint(model, tokenizer)
+        kwargs, limits = engine_options(kwargs)  # CACHEGEN_* settings fill what is not given
         config = config or CodecConfig()
         if profile == "auto":
             from ..profile import find_profile  # noqa: PLC0415
@@ -132,7 +159,15 @@ class KVEngine:
             profile = find_profile(fp, config)
         elif isinstance(profile, (str, Path)):
             profile = Profile.load(profile)
-        return cls(model, tokenizer, KVCodec(config, profile, fingerprint=fp), store, **kwargs)
+        return cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
+
+    def _default_options(self, slo_s: float | None) -> list[Option]:
+        """The exact 16-bit form and ``level``; with a deadline also the coarsest level, the one the
+        controller falls back to on a slow link (without one, nothing coarser than ``level`` is used)."""
+        if self.level in RAW_OPTIONS:
+            return [self.level]
+        exact16 = hf.model_dtype(self.model) in (torch.float16, torch.bfloat16)
+        return list(dict.fromkeys([LOSSLESS if exact16 else RAW, self.level, *([self.codec.levels[-1]] if slo_s else [])]))
 
     @property
     def store(self) -> KVStore:
@@ -141,7 +176,7 @@ class KVEngine:
 
     @store.setter
     def store(self, store: KVStore) -> None:
-        self.writer.store = self.reader.store = store
+        self.writer.store = self.reader.store = resolve_store(store)
 
     # ------------------------------------------------------------ the four operations
     def tokenize(self, text: str) -> list[int]:
@@ -171,17 +206,19 @@ class KVEngine:
         if not chunks:
             return []
         kv = self.calculate_kv(self._ids(context)[: chunks[-1].end])
-        for c in chunks:
+        for c in progress_bar(chunks, self.progress, desc="encoding KV chunks", unit="chunk"):
             self.writer.write(c, kv.slice(c.start, c.end))
         return [c.key for c in chunks]
 
-    def get_kv(self, chunk_ids: Sequence[str], level: int | None = None, info: GenerationInfo | None = None) -> KVCache:
-        """Fetch and decode chunks (in order) at ``level``; raises ``StoreError`` (``BlobMissing``) or ``CacheGenFormatError``."""
+    def get_kv(self, chunk_ids: Sequence[str], level: Option | None = None, info: GenerationInfo | None = None) -> KVCache:
+        """Fetch and decode chunks (in order) stored as ``level`` (a level or raw form; default the engine's);
+        raises ``StoreError`` (``BlobMissing``) or ``CacheGenFormatError``."""
         return self.reader.get(chunk_ids, self.level if level is None else level, info)
 
     def generate_with_kv(self, kv: KVCache | None, prompt: str | Sequence[int], **generation_kwargs: Any) -> str:
         """Generate a continuation of ``prompt`` whose first ``kv.num_tokens`` tokens are covered by ``kv``."""
-        text, _ = self._generate_ids(self._ids(prompt), kv, time.perf_counter(), GenerationInfo(), generation_kwargs)
+        covered = kv.num_tokens if kv is not None else 0
+        text, _ = self._generate_ids(self._ids(prompt), kv, covered, time.perf_counter(), GenerationInfo(), generation_kwargs)
         return text
 
     # ------------------------------------------------------------ whole requests
@@ -229,46 +266,56 @@ class KVEngine:
         start = time.perf_counter()
         infos = [GenerationInfo() for _ in prompts]
         all_ids = [self._ids(p) for p in prompts]
+        new_tokens = int(generation_kwargs.get("max_new_tokens", hf.DEFAULT_MAX_NEW_TOKENS))
+        buffers = [self._buffer(len(ids) + new_tokens + 1) for ids in all_ids]
         all_chunks = [self.chunks(ids) for ids in all_ids]
         for ids, info in zip(all_ids, infos):
             info.prompt_tokens = len(ids)
-        controller = Controller(tuple(self.stream_levels), self.slo_s, self.cost_model.prefill_s_per_token)
-        kvs = self.reader.stream(list(zip(all_ids, all_chunks)), infos, level=self.level, controller=controller,
-                                 estimator=self.estimator, prefill=self._prefill)  # fmt: skip
+        controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token,
+                                allow_text=self.allow_text, floor=self.level)  # fmt: skip
+        covered = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
+                                     estimator=self.estimator, prefill=self._prefill)  # fmt: skip
         out = []
-        for ids, chunks, kv, info in zip(all_ids, all_chunks, kvs, infos):
-            text, cache = self._generate_ids(ids, kv, start, info, generation_kwargs, streamer=streamer)
-            self._store_new_chunks(chunks, kv, cache, info)
+        for ids, chunks, buffer, done, info in zip(all_ids, all_chunks, buffers, covered, infos):
+            text, _ = self._generate_ids(ids, buffer, done, start, info, generation_kwargs, streamer=streamer)
+            self._store_new_chunks(chunks, done, buffer, info)
             info.total_s = time.perf_counter() - start
+            self.metrics_recorder.record(info, self)
             out.append((text, info))
         return out
 
+    def _buffer(self, tokens: int) -> KVCache:
+        """An uninitialised KV of ``tokens`` tokens in the model's dtype, on its device: a prompt's cache."""
+        layers, heads, dim = self.kv_geometry
+        shape, dtype, device = (layers, heads, tokens, dim), hf.model_dtype(self.model), self.model.device
+        return KVCache(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
     # ------------------------------------------------------------ the warm path
     @property
-    def stream_levels(self) -> list[int]:
-        """Levels the controller may fetch: ``level`` and every coarser stored level."""
-        return sorted(lv for lv in self.store_levels if lv >= self.level)
+    def stream_options(self) -> list[Option]:
+        """What the controller may fetch: every stored option (finest first)."""
+        return sorted(self.store_options, key=rank)
 
-    def _prefill(self, ids: list[int], past: KVCache | None) -> KVCache:
-        """KV of ``ids`` computed on top of ``past`` (the text option of streaming), timed."""
+    def _prefill(self, ids: list[int], buffer: KVCache, start: int) -> None:
+        """KV of ``ids`` computed into ``buffer[start:]`` on top of ``buffer[:start]`` (the text option), timed."""
         t = time.perf_counter()
         with self._lock:
-            kv = hf.prefill(self.model, ids, past)
+            hf.prefill_into(self.model, ids, buffer, start)
         self.cost_model.observe_prefill((time.perf_counter() - t) / len(ids))
-        return kv
 
     # ------------------------------------------------------------ generation and storing
     def _generate_ids(
-        self, ids: list[int], kv: KVCache | None, start: float, info: GenerationInfo, generation_kwargs: dict[str, Any], streamer: Any = None
-    ) -> tuple[str, Any]:
-        if kv is not None and kv.num_tokens >= len(ids):
-            kv = kv.slice(0, len(ids) - 1)  # generate() needs at least one token to prefill
-        covered = kv.num_tokens if kv is not None else 0
+        self, ids: list[int], kv: KVCache | None, covered: int, start: float, info: GenerationInfo,
+        generation_kwargs: dict[str, Any], streamer: Any = None,
+    ) -> tuple[str, Any]:  # fmt: skip
+        """Generate after ``ids``, the first ``covered`` of which ``kv`` holds (its other tokens: room to write in)."""
+        covered = min(covered, len(ids) - 1)  # generate() needs at least one token to prefill
         info.cached_tokens = covered
         info.recomputed_tokens = len(ids) - covered
         with self._lock:
-            out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer)
+            out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer, filled=covered)
         info.new_tokens = out.new_tokens
+        info.finish_reason, info.stop_sequence = out.finish_reason, out.stop_sequence
         info.ttft_s = out.ttft_s if out.ttft_s is not None else time.perf_counter() - start
         if info.recomputed_tokens > 64 and out.ttft_s is not None:
             per_token = (out.ttft_s - info.fetch_s - info.decode_s) / info.recomputed_tokens
@@ -276,17 +323,14 @@ class KVEngine:
                 self.cost_model.observe_prefill(per_token)
         return out.text, out.cache
 
-    def _store_new_chunks(self, chunks: list[Chunk], kv: KVCache | None, cache: Any, info: GenerationInfo) -> None:
-        """Hand the writer the complete chunks that were computed (not fetched) in this request."""
-        done = kv.num_tokens if kv is not None else 0
-        full = None
+    def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo) -> None:
+        """Hand the writer the complete chunks that were computed (not fetched) in this request, as views of
+        the request's buffer (which the model filled in place and nobody writes to any more)."""
         for c in chunks:
-            if c.end <= done or cache is None:
+            if c.end <= done:
                 continue
-            full = full or KVCache.from_dynamic_cache(cache)
-            part = full.slice(c.start, c.end)
             try:
-                if self.writer.submit(c, KVCache(part.keys.clone(), part.values.clone())):
+                if self.writer.submit(c, buffer.slice(c.start, c.end)):
                     info.chunks_queued += 1
             except StoreError as e:  # logged once by the writer, not per chunk
                 info.errors.append(f"storing chunk {c.index} failed: {e}")
@@ -296,6 +340,10 @@ class KVEngine:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued chunks to be stored; False if ``timeout`` passed first."""
         return self.writer.flush(timeout)
+
+    def metrics(self) -> EngineMetrics:
+        """What this engine's requests did so far: hits, tokens reused, bytes, seconds (``cachegen_core.metrics``)."""
+        return engine_metrics(self)
 
     @property
     def store_stats(self) -> dict[str, int]:

@@ -20,6 +20,10 @@ from transformers.cache_utils import DynamicLayer
 from ..kv import KVCache, KVShapeError
 
 
+#: New tokens generated when the caller names no limit.
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
 def kv_geometry(config: Any) -> tuple[int, int, int]:
     """A model config's (layers, KV heads, head dim)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -44,18 +48,21 @@ class _InPlaceLayer(DynamicLayer):
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
         super().__init__()
-        self._kbuf, self._vbuf = keys, values  # (1, heads, capacity, head_dim)
+        self._kbuf: torch.Tensor | None = keys  # (1, heads, capacity, head_dim)
+        self._vbuf: torch.Tensor | None = values
         self.lazy_initialization(keys, values)
         self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
+        self._mine = self.keys  # the view this layer set: anything else means transformers replaced it
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         n, m = self.keys.shape[-2], key_states.shape[-2]
-        if self._kbuf is None or n + m > self._kbuf.shape[-2] or self.keys.data_ptr() != self._kbuf.data_ptr():
-            self._kbuf = self._vbuf = None  # out of room (or cropped and replaced): plain concatenation from now on
+        if self._kbuf is None or self._vbuf is None or n + m > self._kbuf.shape[-2] or self.keys is not self._mine:
+            self._kbuf = self._vbuf = None  # out of room (or cropped, reset...): plain concatenation from now on
             return super().update(key_states, value_states, *args, **kwargs)
         self._kbuf[:, :, n : n + m].copy_(key_states)
         self._vbuf[:, :, n : n + m].copy_(value_states)
         self.keys, self.values = self._kbuf[:, :, : n + m], self._vbuf[:, :, : n + m]
+        self._mine = self.keys
         return self.keys, self.values
 
 
@@ -88,6 +95,24 @@ def prefill(model: Any, ids: Sequence[int], past: KVCache | None = None) -> KVCa
     out = model(torch.tensor([list(ids)], device=model.device), past_key_values=model_cache(model, past), use_cache=True)
     kv = KVCache.from_dynamic_cache(out.past_key_values).slice(past.num_tokens if past is not None else 0)
     return KVCache(kv.keys.clone(), kv.values.clone())
+
+
+@torch.no_grad()
+def prefill_into(model: Any, ids: Sequence[int], buffer: KVCache, start: int) -> None:
+    """Compute the KV of ``ids`` on top of ``buffer``'s first ``start`` tokens, into ``buffer[start:]``.
+
+    In place when ``buffer`` is in the model's dtype and on its device (else computed, then copied).
+    """
+    end = start + len(ids)
+    if end > buffer.num_tokens:
+        raise KVShapeError(f"{len(ids)} tokens after {start} do not fit a buffer of {buffer.num_tokens}")
+    cache = model_cache(model, buffer, start)
+    model(torch.tensor([list(ids)], device=model.device), past_key_values=cache, use_cache=True)
+    first = cache.layers[0]
+    if not (isinstance(first, _InPlaceLayer) and first._kbuf is not None):
+        kv = KVCache.from_dynamic_cache(cache).slice(start, end)
+        buffer.slice(start, end).keys.copy_(kv.keys)
+        buffer.slice(start, end).values.copy_(kv.values)
 
 
 class FirstTokenTimer:
@@ -140,12 +165,16 @@ def stop_criterion(tokenizer: Any, stops: Sequence[str], prompt_len: int) -> Any
 
 @dataclass(frozen=True)
 class Generated:
-    """A generation's text, the model's cache after it, new token count and first-token time (None if none)."""
+    """A generation's text, the model's cache after it, new token count, first-token time (None if none),
+    and why it ended: ``"stop"`` (an end-of-sequence token, or the stop string ``stop_sequence``) or
+    ``"length"`` (the token limit)."""
 
     text: str
     cache: Any
     new_tokens: int
     ttft_s: float | None
+    finish_reason: str = "stop"
+    stop_sequence: str | None = None
 
 
 @torch.no_grad()
@@ -157,14 +186,16 @@ def generate(
     start: float,
     generation_kwargs: dict[str, Any],
     streamer: Any = None,
+    filled: int | None = None,
 ) -> Generated:
-    """Generate after ``ids``, whose first ``past.num_tokens`` tokens ``past`` covers (it must leave one).
+    """Generate after ``ids``, whose first ``filled`` tokens (default ``past.num_tokens``) ``past`` covers
+    (it must leave one); the tokens past ``filled`` are spare capacity the model writes into.
 
     ``generation_kwargs`` go to ``model.generate`` (greedy, 64 new tokens by default), plus
     ``stop``: strings after which generation stops (the text is returned whole; callers
     cut it). ``start`` is when the request began, for the first-token time.
     """
-    kwargs = {"max_new_tokens": 64, "do_sample": False, **generation_kwargs}
+    kwargs = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "do_sample": False, **generation_kwargs}
     stops = [s for s in kwargs.pop("stop", None) or [] if s]
     if stops:
         from transformers import StoppingCriteriaList  # noqa: PLC0415
@@ -179,10 +210,16 @@ def generate(
     out = model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
-        past_key_values=model_cache(model, past),
+        past_key_values=model_cache(model, past, filled),
         streamer=timer,
         return_dict_in_generate=True,
         **kwargs,
     )
     new = out.sequences[0, len(ids) :]
-    return Generated(tokenizer.decode(new, skip_special_tokens=True), out.past_key_values, int(new.numel()), timer.ttft)
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) is not None else None
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    hit = min(((text.find(s), s) for s in stops if s in text), default=(-1, None))[1]
+    limit = kwargs.get("max_new_tokens")
+    ended = (new.numel() > 0 and int(new[-1]) in eos_ids) or hit is not None or (limit is not None and new.numel() < limit)
+    return Generated(text, out.past_key_values, int(new.numel()), timer.ttft, "stop" if ended else "length", hit)

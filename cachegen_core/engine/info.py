@@ -15,6 +15,8 @@ class GenerationInfo:
     ``levels``: the option each reused chunk was streamed as, in prompt order: a
     compression level (int) or ``"text"`` (prefilled on the controller's word).
     ``stream``: the streaming controller's record of every chunk (see ``ChunkRecord``).
+    ``finish_reason``: ``"stop"`` (end of sequence, or the stop string ``stop_sequence``) or
+    ``"length"`` (the token limit).
     """
 
     prompt_tokens: int = 0
@@ -31,6 +33,8 @@ class GenerationInfo:
     errors: list[str] = field(default_factory=list)
     stream: list[dict[str, Any]] = field(default_factory=list)
     text_chunks: int = 0
+    finish_reason: str | None = None
+    stop_sequence: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,10 +1,11 @@
-"""ChunkReader: find a prompt's stored chunks and stream them back as KV.
+"""ChunkReader: find a prompt's stored chunks and stream them back into the prompt's KV buffer.
 
 The read side of the store, as :class:`~.writer.ChunkWriter` is the write side: manifest
 lookup (one ``get_many`` per prompt), blob fetch, decode checked against the model's KV
-geometry (a forged, well-formed blob of another shape is refused), and the pipelined
-stream of several prompts' chunks under the controller (a chunk shared by prompts goes
-once). It measures what the controller plans with into the shared :class:`CostModel`.
+geometry (a forged, well-formed blob of another shape is refused) straight into the
+prompt's preallocated KV, and the pipelined stream of several prompts' chunks under the
+controller (a chunk shared by prompts goes once). It measures what the controller plans
+with into the shared :class:`CostModel`.
 Failures never escape: a bad blob or a store error is reported in the request's
 ``GenerationInfo`` and the chunks from there on are left to be recomputed.
 """
@@ -15,21 +16,24 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 from ..chunks import Chunk, blob_key
-from ..codec import KVCodec
-from ..errors import BlobMissing, CacheGenFormatError, StoreError
-from ..kv import KVCache
+from ..codec import Checked, KVCodec
+from ..errors import BackendUnavailable, BlobMissing, CacheGenFormatError, StoreError
+from ..kv import KVCache, KVShapeError
 from ..manifest import Manifest, manifest_key
+from ..raw import RawChecked, RawCodec
 from ..stores.base import KVStore
-from ..streaming import TEXT, Controller, Estimator, StreamFailure, stream_batch
+from ..streaming import RAW_OPTIONS, TEXT, Controller, Estimator, Option, StreamFailure, rank, stream_batch
 from .cost import CostModel
 from .info import GenerationInfo
 from .writer import StoreHealth
 
 log = logging.getLogger("cachegen_core.engine")
 
-#: The text option: KV of ``ids`` computed by the model on top of the KV before them.
-Prefill = Callable[[list[int], "KVCache | None"], KVCache]
+#: The text option: compute the KV of ``ids`` into ``buffer[start:]``, on top of ``buffer[:start]``.
+PrefillInto = Callable[[list[int], KVCache, int], None]
 
 
 def report(info: GenerationInfo, msg: str) -> None:
@@ -41,20 +45,42 @@ def report(info: GenerationInfo, msg: str) -> None:
 class ChunkReader:
     """Reads chunks of ``codec`` from ``store`` for a model of KV ``geometry`` (layers, KV heads, head dim)."""
 
-    def __init__(self, codec: KVCodec, store: KVStore, geometry: tuple[int, int, int], cost_model: CostModel, health: StoreHealth) -> None:
+    def __init__(
+        self, codec: KVCodec, store: KVStore, geometry: tuple[int, int, int], cost_model: CostModel, health: StoreHealth,
+        raw: RawCodec | None = None,
+    ) -> None:  # fmt: skip
         self.codec = codec
+        self.raw = raw or RawCodec(codec.fingerprint)
         self.store = store
+        self.decode_device = torch.device("cpu")  # where levels are entropy-decoded (see ``use_device``)
         self.geometry = geometry
         self.cost_model = cost_model
         self.health = health
+
+    def use_device(self, device: torch.device) -> str | None:
+        """Decode levels on ``device`` (the model's) when the codec's coder has a decoder there that can
+        run; else on the CPU (then copied to it). Returns why not, or None when it is used."""
+        from ..coders import get_decoder  # noqa: PLC0415
+
+        if device.type == "cpu":
+            self.decode_device = device
+            return None
+        try:
+            get_decoder(self.codec.coder.name, device)
+        except (BackendUnavailable, KeyError) as e:
+            self.decode_device = torch.device("cpu")
+            return str(e)
+        self.decode_device = device
+        return None
 
     def trouble(self, info: GenerationInfo, msg: str) -> None:
         """A store failure: in the request's errors always, in the log once until the store recovers."""
         info.errors.append(msg)
         self.health.failed(msg)
 
-    def lookup(self, chunks: Sequence[Chunk], level: int, info: GenerationInfo) -> list[Manifest]:
-        """Manifests of the longest run of leading chunks stored with ``level`` (one store request)."""
+    def lookup(self, chunks: Sequence[Chunk], floor: Option, info: GenerationInfo, options: Sequence[Option] | None = None) -> list[Manifest]:
+        """Manifests of the longest run of leading chunks stored in some option (of ``options``, default
+        any) at least as fine as ``floor`` (one store request)."""
         if not chunks:
             return []
         try:
@@ -73,28 +99,40 @@ class ChunkReader:
             except CacheGenFormatError as e:
                 report(info, f"bad manifest for chunk {c.index}, recomputing from there: {e}")
                 break
-            if level not in manifest:
+            if not any(rank(o) <= rank(floor) and (options is None or o in options) for o in manifest.options):
                 break
             run.append(manifest)
         return run
 
-    def fetch(self, key: str, level: int) -> bytes:
-        """The blob of chunk ``key`` at ``level``; ``BlobMissing`` when it is not (or no longer) stored."""
-        blob = self.store.get(blob_key(key, level))
+    def fetch(self, key: str, option: Option) -> Checked | RawChecked:
+        """The blob of chunk ``key`` stored as ``option``, its checksums and header verified (in the stream's
+        fetch thread, beside the previous chunk's decode); ``BlobMissing`` when it is not (or no longer) stored."""
+        blob = self.store.get(blob_key(key, option))
         if blob is None:
-            raise BlobMissing(f"chunk {key[:12]} at level {level} is not in the store")
-        return blob
+            raise BlobMissing(f"chunk {key[:12]} as {option} is not in the store")
+        return self.raw.check(blob, option) if option in RAW_OPTIONS else self.codec.check(blob, option)  # type: ignore[arg-type]
 
-    def decode(self, blob: bytes, key: str, level: int, tokens: int | None = None) -> KVCache:
-        """The chunk's KV, checked against the model (and ``tokens``); its cost goes into the cost model."""
+    def decode(self, blob: bytes | Checked | RawChecked, key: str, option: Option, out: KVCache | None = None) -> KVCache:
+        """The chunk's KV (written into ``out`` when given), checked against the model's geometry (and
+        ``out``'s tokens); its cost goes into the cost model."""
         t = time.perf_counter()
-        kv = self.codec.decode(blob, level=level)
+        if option in RAW_OPTIONS:
+            try:
+                kv = self.raw.decode(blob, option, out=out)  # type: ignore[arg-type]
+            except KVShapeError as e:
+                raise CacheGenFormatError(f"chunk {key[:12]}: {e}") from None
+        else:
+            kv = self.codec.decode(blob, level=option, device=self.decode_device)  # type: ignore[arg-type]
         if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != self.geometry:  # checksums say nothing of a forged shape
             raise CacheGenFormatError(f"chunk {key[:12]} decoded to KV of shape {kv.shape}, the model's is "
                                       f"(layers, kv heads, head dim) = {self.geometry}")  # fmt: skip
-        if tokens is not None and kv.num_tokens != tokens:
-            raise CacheGenFormatError(f"chunk {key[:12]} decoded to {kv.num_tokens} tokens, expected {tokens}")
-        self.cost_model.observe_decode(level, len(blob), time.perf_counter() - t, kv.num_tokens)
+        if out is not None and kv is not out:
+            if kv.num_tokens != out.num_tokens:
+                raise CacheGenFormatError(f"chunk {key[:12]} decoded to {kv.num_tokens} tokens, expected {out.num_tokens}")
+            out.keys.copy_(kv.keys)
+            out.values.copy_(kv.values)
+            kv = out
+        self.cost_model.observe_decode(option, len(blob), time.perf_counter() - t, kv.num_tokens)
         return kv
 
     def get(self, chunk_ids: Sequence[str], level: int, info: GenerationInfo | None = None) -> KVCache:
@@ -116,42 +154,52 @@ class ChunkReader:
 
     def stream(
         self,
-        prompts: Sequence[tuple[list[int], list[Chunk]]],
+        prompts: Sequence[tuple[list[int], list[Chunk], KVCache]],
         infos: Sequence[GenerationInfo],
         *,
-        level: int,
+        floor: Option,
         controller: Controller,
         estimator: Estimator,
-        prefill: Prefill,
-    ) -> list[KVCache | None]:
-        """Stream the stored leading chunks of every (ids, chunks) prompt as one batch; each prompt's KV.
+        prefill: PrefillInto,
+    ) -> list[int]:
+        """Stream the stored leading chunks of every (ids, chunks, buffer) prompt as one batch into
+        its buffer; returns how many leading tokens of each prompt its buffer now holds.
 
-        Chunks are looked up at ``level``; the controller picks among its levels (those the
-        chunk's manifest lists) and text, for which ``prefill`` is called. ``None``: nothing reused.
+        Chunks are looked up at ``floor`` (see :meth:`lookup`); the controller picks among its
+        options (those the chunk's manifest lists) and text, for which ``prefill`` is called.
         """
         runs, manifests, owner = [], {}, {}
-        for (ids, chunks), info in zip(prompts, infos):
-            found = self.lookup(chunks, level, info)
+        for p, ((ids, chunks, _), info) in enumerate(zip(prompts, infos)):
+            found = self.lookup(chunks, floor, info, controller.options)
             runs.append(chunks[: len(found)])
             for c, m in zip(chunks, found):
                 manifests[c.key] = m
-                owner.setdefault(c.key, (c, ids))
+                owner.setdefault(c.key, (c, p))
         if not manifests:
-            return [None] * len(prompts)
-        decoded: dict[str, KVCache] = {}
+            return [0] * len(prompts)
+        held: list[set[str]] = [set() for _ in prompts]  # chunks already in each prompt's buffer
 
-        def decode(blob: bytes, key: str, lv: int) -> KVCache:
-            decoded[key] = self.decode(blob, key, lv, owner[key][0].num_tokens)
-            return decoded[key]
+        def slot(key: str) -> KVCache:
+            c, p = owner[key]
+            return prompts[p][2].slice(c.start, c.end)
+
+        def decode(blob: bytes, key: str, option: Option) -> KVCache:
+            kv = self.decode(blob, key, option, out=slot(key))
+            held[owner[key][1]].add(key)
+            return kv
 
         def on_text(key: str) -> KVCache:
-            c, ids = owner[key]  # prefix-chained keys: the chunks before it in its prompt were streamed first
-            before = [decoded[k] for k in _keys_before(c, runs)]
-            decoded[key] = prefill(ids[c.start : c.end], KVCache.concat(before) if before else None)
-            return decoded[key]
+            c, p = owner[key]  # prefix-chained keys: the chunks before it in its prompt were streamed first
+            for k in _keys_before(c, runs):
+                if k not in held[p]:  # decoded into another prompt's buffer: copy it over first
+                    _copy(slot(k), owner[k][0], prompts[p][2])
+                    held[p].add(k)
+            prefill(prompts[p][0][c.start : c.end], prompts[p][2], c.start)
+            held[p].add(key)
+            return slot(key)
 
         def cost(key: str):  # noqa: ANN202
-            sizes = {lv: n for lv, n in manifests[key].sizes.items() if lv in controller.levels}
+            sizes = {o: n for o, n in manifests[key].sizes.items() if o in controller.options}
             return self.cost_model.chunk_cost(owner[key][0].num_tokens, sizes)
 
         batch_info = infos[0] if len(infos) == 1 else GenerationInfo()
@@ -167,20 +215,22 @@ class ChunkReader:
             batch_info.fetch_s += r.fetch_s
             batch_info.decode_s += r.decode_s
         option = {r.chunk: r.option for r in records}
-        kvs = []
-        for run, info in zip(runs, infos):
+        covered = []
+        for p, (run, info) in enumerate(zip(runs, infos)):
             mine = []
             for c in run:
-                if c.key not in decoded:
+                if c.key not in option or not any(c.key in h for h in held):
                     break
-                mine.append(decoded[c.key])
-            info.levels = [option[c.key] for c in run[: len(mine)]]
+                if c.key not in held[p]:  # streamed once for the batch, into another prompt's buffer
+                    _copy(slot(c.key), c, prompts[p][2])
+                mine.append(c)
+            info.levels = [option[c.key] for c in mine]
             info.text_chunks = sum(lv == TEXT for lv in info.levels)
             if info is not batch_info:  # fetch figures are the batch's: the chunks were streamed once for every prompt
                 info.stream, info.errors = batch_info.stream, info.errors + batch_info.errors
                 info.bytes_fetched, info.fetch_s, info.decode_s = batch_info.bytes_fetched, batch_info.fetch_s, batch_info.decode_s
-            kvs.append(KVCache.concat(mine) if mine else None)
-        return kvs
+            covered.append(mine[-1].end if mine else 0)
+        return covered
 
     def _failed(self, info: GenerationInfo, f: StreamFailure) -> None:
         if isinstance(f.cause, BlobMissing):  # evicted since its manifest was read: a plain miss
@@ -190,6 +240,12 @@ class ChunkReader:
         else:
             kind = "bad blob" if isinstance(f.cause, CacheGenFormatError) else "failure"
             report(info, f"{kind} for chunk {f.index}, recomputing from there: {f.cause}")
+
+
+def _copy(src: KVCache, chunk: Chunk, buffer: KVCache) -> None:
+    dst = buffer.slice(chunk.start, chunk.end)
+    dst.keys.copy_(src.keys)
+    dst.values.copy_(src.values)
 
 
 def _keys_before(chunk: Chunk, runs: Sequence[Sequence[Chunk]]) -> list[str]:

@@ -1,27 +1,35 @@
-"""ChunkWriter: encode a chunk's KV at every stored level and put it in the store, then its manifest.
+"""ChunkWriter: encode a chunk's KV in every stored form and put it in the store, then its manifest.
 
-It owns what writing needs and nothing of the engine: the codec, the store, the levels
-kept, an optional background worker (a daemon thread with a bounded queue, so storing
-is off the request's path), and the store's health (a failing store is logged once,
-not per chunk, until it recovers). The manifest goes last (see ``manifest.py``), so a
-reader never sees a partially written chunk.
+It owns what writing needs and nothing of the engine: the codecs, the store, the options
+kept, an optional background worker (a daemon thread with a bounded queue, so storing is
+off the request's path), and the store's health (a failing store is logged once, not per
+chunk, until it recovers). A chunk is written in two stages: its raw forms (cheap: a
+conversion and a checksum) with a manifest naming them, then its compression levels with a
+manifest naming everything. On a local store (``store.local``: memory, disk) the first
+stage is written before the request answers, so the next request finds its chunks; on a
+remote one the worker runs every queued chunk's first stage before any later stage. Each
+manifest goes after the blobs it names (see ``manifest.py``), so a reader never sees a
+partially written chunk.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from ..chunks import Chunk, blob_key
 from ..codec import KVCodec
-from ..errors import StoreError
+from ..errors import CacheGenFormatError, StoreError
 from ..kv import KVCache
-from ..manifest import Manifest, manifest_key
+from ..manifest import RAW_OPTIONS, Manifest, Option, manifest_key
+from ..raw import RawCodec
 from ..stores.base import KVStore
 
 log = logging.getLogger("cachegen_core.engine")
@@ -45,42 +53,62 @@ class StoreHealth:
 
 
 class ChunkWriter:
-    """Writes chunks (every level of ``levels``, then the manifest) into ``store``.
+    """Writes chunks (every option of ``options``: levels of ``codec``, raw forms of ``raw``) into ``store``.
 
-    ``background``: queue chunks for a worker thread (``submit`` returns at once;
-    ``flush`` waits) instead of writing them in ``submit``. ``queue_size`` bounds the
-    queue: when it is full a chunk is dropped (counted in ``stats``, logged once).
+    ``background``: queue chunks for a worker thread (``submit`` returns at once, after the
+    first stage on a local store; ``flush`` waits) instead of writing them in ``submit``.
+    ``queue_size`` bounds the queue: when it is full a chunk is dropped (counted in
+    ``stats``, logged once). ``first_stage_now``: write the first stage in ``submit``
+    (default: when the store is local).
     """
 
     def __init__(
         self,
         codec: KVCodec,
         store: KVStore,
-        levels: Sequence[int],
+        options: Sequence[Option],
         *,
+        raw: RawCodec | None = None,
         background: bool = True,
         queue_size: int = 64,
         health: StoreHealth | None = None,
+        first_stage_now: bool | None = None,
     ) -> None:
-        if not levels:
-            raise ValueError("a writer needs at least one level to store")
-        bad = [lv for lv in levels if lv not in codec.levels]
+        if not options:
+            raise ValueError("a writer needs at least one option to store")
+        bad = [o for o in options if o not in RAW_OPTIONS and o not in codec.levels]
         if bad:
-            raise ValueError(f"levels {bad} not in the codec's {codec.levels}")
+            raise ValueError(f"options {bad} are neither raw forms {RAW_OPTIONS} nor in the codec's levels {codec.levels}")
         self.codec = codec
+        self.raw = raw or RawCodec(codec.fingerprint)
         self.store = store
-        self.levels = list(levels)
+        self.options = list(dict.fromkeys(options))
         self.health = health or StoreHealth()
+        self.first_stage_now = first_stage_now
         self._worker = _Worker(self, queue_size) if background else None
         if self._worker is not None:
             atexit.register(_flush_at_exit, weakref.ref(self))
 
-    def write(self, chunk: Chunk, kv: KVCache) -> Manifest:
-        """Encode ``kv`` (the chunk's tokens) at every level and store it; raises ``StoreError``/``CacheGenError``."""
-        blobs = {lv: self.codec.encode(kv, lv) for lv in self.levels}
-        manifest = Manifest({lv: len(b) for lv, b in blobs.items()})
+    @property
+    def stages(self) -> list[list[Option]]:
+        """The options written together, in order: the raw forms, then the levels (empty stages left out)."""
+        stages = [[o for o in self.options if o in RAW_OPTIONS], [o for o in self.options if o not in RAW_OPTIONS]]
+        return [st for st in stages if st]
+
+    def encode(self, kv: KVCache, option: Option) -> bytes:
+        return self.raw.encode(kv, option) if option in RAW_OPTIONS else self.codec.encode(kv, option)  # type: ignore[arg-type]
+
+    def write(self, chunk: Chunk, kv: KVCache, stage: int | None = None, before: Manifest | None = None) -> Manifest:
+        """Store ``kv`` (the chunk's tokens) in every option (or those of one ``stage``, adding to the
+        manifest ``before``); raises ``StoreError``/``CacheGenError``."""
+        options = self.options if stage is None else self.stages[stage]
+        blobs = {o: self.encode(kv, o) for o in options}
         try:
-            self.store.put_many([(blob_key(chunk.key, lv), b) for lv, b in blobs.items()])
+            self.store.put_many([(blob_key(chunk.key, o), b) for o, b in blobs.items()])
+            # Another writer (another engine configuration) may have stored other forms of this chunk:
+            # keep what its manifest names, so that neither hides the other's blobs.
+            sizes = {**self._stored(chunk), **(before.sizes if before is not None else {}), **{o: len(b) for o, b in blobs.items()}}
+            manifest = Manifest(sizes)
             self.store.put(manifest_key(chunk.key), manifest.to_bytes())  # last: it vouches for every blob above
         except StoreError as e:
             self.health.failed(f"store write failed: {e}")
@@ -88,12 +116,30 @@ class ChunkWriter:
         self.health.recovered("writable")
         return manifest
 
+    def _stored(self, chunk: Chunk) -> dict[Option, int]:
+        """The options the chunk's manifest in the store names now ({} when none, or unreadable)."""
+        raw = self.store.get(manifest_key(chunk.key))
+        try:
+            return dict(Manifest.from_bytes(raw).sizes) if raw is not None else {}
+        except CacheGenFormatError:
+            return {}
+
     def submit(self, chunk: Chunk, kv: KVCache) -> bool:
-        """Queue the chunk for the worker (False: the queue is full, dropped), or write it now without one."""
+        """Queue the chunk for the worker (False: the queue is full, dropped), or write it now without one;
+        on a local store its first stage is written now either way. Raises what ``write`` raises."""
         if self._worker is None:
             self.write(chunk, kv)
             return True
-        return self._worker.submit(chunk, kv)
+        stages = self.stages
+        cheap = all(o in RAW_OPTIONS for o in stages[0])  # a conversion and a checksum, no entropy coding
+        now = self.first_stage_now if self.first_stage_now is not None else cheap and getattr(self.store, "local", False)
+        if not now:
+            return self._worker.submit(chunk, kv, 0, None)
+        manifest = self.write(chunk, kv, 0)
+        if len(stages) == 1:
+            self._worker.written += 1
+            return True
+        return self._worker.submit(chunk, kv, 1, manifest)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued chunk is written (or failed); False if ``timeout`` passed first."""
@@ -111,19 +157,23 @@ class ChunkWriter:
 
 
 class _Worker:
-    """A daemon thread writing queued chunks; holds its writer weakly, so a dropped writer is reported."""
+    """A daemon thread writing queued chunks, first stages first; holds its writer weakly, so a dropped
+    writer is reported. It runs at a lower CPU priority than the requests (Linux: nice +10)."""
 
     def __init__(self, writer: ChunkWriter, maxsize: int) -> None:
         self._writer = weakref.proxy(writer)
-        self.queue: queue.Queue[tuple[Chunk, KVCache] | None] = queue.Queue(maxsize=maxsize)
+        self.queue: queue.Queue[tuple[Chunk, KVCache, int, Manifest | None] | None] = queue.Queue(maxsize=maxsize)
+        self._later: deque[tuple[Chunk, KVCache, Manifest | None, int]] = deque()  # chunks with later stages to write
         self.dropped = self.failed = self.written = 0
         self._full = False  # dropping chunks since the queue last had room (logged once)
+        self._stopping = False  # at exit: finish the write in hand, start no other
         self._thread = threading.Thread(target=self._run, name="cachegen-store", daemon=True)
         self._thread.start()
 
-    def submit(self, chunk: Chunk, kv: KVCache) -> bool:
+    def submit(self, chunk: Chunk, kv: KVCache, stage: int, manifest: Manifest | None) -> bool:
+        """Queue stages ``stage`` on of a chunk (``manifest``: what earlier stages wrote)."""
         try:
-            self.queue.put_nowait((chunk, kv))
+            self.queue.put_nowait((chunk, kv, stage, manifest))
             self._full = False
             return True
         except queue.Full:
@@ -135,25 +185,79 @@ class _Worker:
             return False
 
     def _run(self) -> None:
-        while True:
-            item = self.queue.get()
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
+        except (AttributeError, OSError):
+            pass
+        while not self._stopping:
+            try:  # a new chunk's first stage before any chunk's later stages
+                item = self.queue.get(block=not self._later)
+            except queue.Empty:
+                self._later_stage()
+                continue
             try:
                 if item is None:
                     return
-                self._writer.write(*item)
-                self.written += 1
+                chunk, kv, stage, manifest = item
+                if stage == 0:
+                    self._write(chunk, kv, self._writer.stages)
+                else:  # a later stage waits for every new chunk's first stage
+                    with self.queue.mutex:
+                        self.queue.unfinished_tasks += 1
+                    self._later.append((chunk, kv, manifest, stage))
             except ReferenceError:
-                lost = 1 + self.queue.qsize()
-                log.warning("the KV engine's writer was garbage-collected with %d KV chunk(s) not stored "
-                            "(call flush() first)", lost)  # fmt: skip
-                return
-            except StoreError:  # the writer logs a failing store once, not per chunk
-                self.failed += 1
-            except Exception as e:  # a failed write is reported, never raised into a request
-                self.failed += 1
-                log.warning("storing chunk failed: %s", e)
+                return self._dropped_writer()
             finally:
                 self.queue.task_done()
+
+    def _write(self, chunk: Chunk, kv: KVCache, stages: list[list[Option]]) -> None:
+        """The first stage now; the others queued (counted as written when the last is)."""
+        try:
+            manifest = self._writer.write(chunk, kv, 0)
+            if len(stages) > 1:
+                with self.queue.mutex:  # flush() waits for the later stages too
+                    self.queue.unfinished_tasks += 1
+                self._later.append((chunk, kv, manifest, 1))
+            else:
+                self.written += 1
+        except ReferenceError:
+            raise
+        except StoreError:  # the writer logs a failing store once, not per chunk
+            self.failed += 1
+        except Exception as e:  # a failed write is reported, never raised into a request
+            self.failed += 1
+            log.warning("storing chunk failed: %s", e)
+
+    def _later_stage(self) -> None:
+        chunk, kv, manifest, first = self._later.popleft()
+        try:
+            for stage in range(first, len(self._writer.stages)):
+                manifest = self._writer.write(chunk, kv, stage, before=manifest)
+            self.written += 1
+        except ReferenceError:
+            self._dropped_writer()
+        except StoreError:
+            self.failed += 1
+        except Exception as e:
+            self.failed += 1
+            log.warning("storing chunk failed: %s", e)
+        finally:
+            self.queue.task_done()
+
+    def _dropped_writer(self) -> None:
+        lost = 1 + self.queue.qsize() + len(self._later)
+        log.warning("the KV engine's writer was garbage-collected with %d KV chunk(s) not stored "
+                    "(call flush() first)", lost)  # fmt: skip
+
+    def stop(self, timeout: float) -> None:
+        """Start no other write and wait (up to ``timeout``) for the one in hand: native and torch code
+        must not be running in this thread while the interpreter shuts down."""
+        self._stopping = True
+        try:
+            self.queue.put_nowait(None)  # wakes a worker waiting for work
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         if timeout is None:
@@ -169,7 +273,8 @@ class _Worker:
 
 def _flush_at_exit(ref: Callable[[], ChunkWriter | None]) -> None:
     writer = ref()
-    if writer is None or not writer.pending:
+    if writer is None or writer._worker is None:
         return
-    if not writer.flush(timeout=60):
+    if writer.pending and not writer.flush(timeout=60):
         log.warning("exiting with %d KV chunks not yet stored", writer.pending)
+    writer._worker.stop(timeout=60)

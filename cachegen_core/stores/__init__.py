@@ -2,6 +2,9 @@
 
 ``DiskCacheStore`` is the default (local disk, size-limited); ``RedisStore`` shares one
 cache between serving machines; ``MemoryStore`` is for tests and single processes.
+``SignedStore`` wraps any of them to authenticate every value with a deployment key;
+``open_store`` opens one from a URL (``disk``, a directory, ``memory``, ``redis(s)://``);
+``admin`` lists and evicts chunks (``cachegen stats`` / ``cachegen gc``).
 ``RedisStore`` needs redis-py (``pip install 'langchain-cachegen[redis]'``), so it is
 imported on first use: the other stores work without it.
 """
@@ -13,6 +16,8 @@ from typing import Any
 from .base import DEFAULT_NAMESPACE, BaseKVStore, KVStore
 from .disk import DiskCacheStore, default_directory
 from .memory import MemoryStore
+from .signed import SignedStore
+from .url import open_store
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -21,7 +26,9 @@ __all__ = [
     "KVStore",
     "MemoryStore",
     "RedisStore",
+    "SignedStore",
     "default_directory",
+    "open_store",
 ]
 
 REDIS_HINT = "RedisStore needs redis-py: pip install 'langchain-cachegen[redis]'"

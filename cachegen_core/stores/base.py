@@ -90,7 +90,11 @@ class BaseKVStore:
 
     Subclasses implement ``get``, ``put``, ``contains``, ``delete``, ``keys`` and
     ``close``; they override the batch methods when the backend has real batch ops.
+    ``local``: the store lives on this machine (memory, local disk), so writing a chunk's
+    raw form costs little and the engine does it before answering (see ``ChunkWriter``).
     """
+
+    local: bool = False
 
     def __init__(self, namespace: str = DEFAULT_NAMESPACE, max_value_bytes: int | None = None) -> None:
         if not isinstance(namespace, str):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -92,6 +93,8 @@ class DiskCacheStore(BaseKVStore):
     Extra keyword arguments are diskcache settings (e.g. ``eviction_policy``).
     """
 
+    local = True
+
     def __init__(
         self,
         directory: str | os.PathLike[str] | None = None,
@@ -168,6 +171,17 @@ class DiskCacheStore(BaseKVStore):
         with self._errors("keys"):
             matched = [self._strip(k) for k in self._cache.iterkeys() if isinstance(k, str) and k.startswith(start)]
         yield from matched
+
+    def entries(self, prefix: str = "") -> Iterator[tuple[str, int, float | None]]:
+        """(key, bytes, seconds since it was stored) of every entry whose key starts with ``prefix``."""
+        start = self._full(prefix)
+        with self._errors("entries"):
+            rows = self._cache._sql(  # diskcache's own table: inline values have size 0, their length is the row's
+                "SELECT key, CASE WHEN filename IS NULL THEN length(value) ELSE size END, store_time FROM Cache WHERE raw = 1"
+            ).fetchall()
+        now = time.time()
+        yield from ((self._strip(k), int(n or 0), max(0.0, now - t)) for k, n, t in rows
+                    if isinstance(k, str) and k.startswith(start))  # fmt: skip
 
     def close(self) -> None:
         with self._errors("close"):

@@ -17,6 +17,8 @@ class MemoryStore(BaseKVStore):
     than ``max_bytes`` is refused with ``StoreError``.
     """
 
+    local = True
+
     def __init__(
         self,
         max_bytes: int | None = None,
@@ -105,6 +107,14 @@ class MemoryStore(BaseKVStore):
         with self._lock:
             self._check_open()
             matched = [self._strip(k) for k in self._data if k.startswith(start)]
+        yield from matched
+
+    def entries(self, prefix: str = "") -> Iterator[tuple[str, int, float | None]]:
+        """(key, bytes, None: no store times are kept) of every entry whose key starts with ``prefix``."""
+        start = self._full(prefix)
+        with self._lock:
+            self._check_open()
+            matched = [(self._strip(k), len(v), None) for k, v in self._data.items() if k.startswith(start)]
         yield from matched
 
     def close(self) -> None:

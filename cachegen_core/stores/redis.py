@@ -184,6 +184,39 @@ class RedisStore(BaseKVStore):
             for k in self._client.scan_iter(match=pattern, count=1000):
                 yield self._strip(k.decode("utf-8", "surrogateescape") if isinstance(k, bytes) else k)
 
+    def entries(self, prefix: str = "", batch: int = 500) -> Iterator[tuple[str, int, float | None]]:
+        """(key, bytes, seconds since last read or written) of every entry whose key starts with ``prefix``.
+
+        Bytes are Redis' ``MEMORY USAGE`` (the value plus a few dozen bytes of overhead) and
+        the time is ``OBJECT IDLETIME``: neither command counts as an access, so listing
+        does not make entries look recently used.
+        """
+        keys = iter(self.keys(prefix))
+        while True:
+            part = [k for _, k in zip(range(batch), keys)]
+            if not part:
+                return
+            with self._errors("entries"):
+                pipe = self._client.pipeline(transaction=False)
+                for k in part:
+                    pipe.execute_command("MEMORY", "USAGE", self._full(k), "SAMPLES", "0")
+                    pipe.object("idletime", self._full(k))
+                res = pipe.execute(raise_on_error=False)
+            for i, k in enumerate(part):
+                size, idle = res[2 * i], res[2 * i + 1]
+                if isinstance(size, int) and isinstance(idle, int):  # else deleted meanwhile
+                    yield k, size, float(idle)
+
+    def head(self, key: str, n: int) -> bytes | None:
+        """The first ``n`` bytes of ``key``'s value (None when absent), without reading the rest."""
+        full = self._full(key)
+        with self._errors("head"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.exists(full)
+            pipe.getrange(full, 0, max(0, n - 1))
+            exists, data = pipe.execute()
+        return bytes(data) if exists else None
+
     def ping(self) -> bool:
         """True when the server answers; ``StoreError`` otherwise."""
         with self._errors("ping"):

@@ -7,7 +7,20 @@ the pipelined drivers that run it. Plain functions over plain data: no model, no
   decodes, and the records they leave.
 """
 
-from .controller import TEXT, ChunkCost, Controller, Decision, Option, choose, compute_seconds, predict_finish
+from .controller import (
+    LOSSLESS,
+    RAW,
+    RAW_OPTIONS,
+    TEXT,
+    ChunkCost,
+    Controller,
+    Decision,
+    Option,
+    choose,
+    compute_seconds,
+    predict_finish,
+    rank,
+)
 from .driver import (
     BatchResult,
     ChunkRecord,
@@ -22,6 +35,9 @@ from .estimators import ESTIMATORS, Estimator, HarmonicMeanEstimator, LastSample
 
 __all__ = [
     "ESTIMATORS",
+    "LOSSLESS",
+    "RAW",
+    "RAW_OPTIONS",
     "TEXT",
     "BatchResult",
     "ChunkCost",
@@ -39,6 +55,7 @@ __all__ = [
     "compute_seconds",
     "make_estimator",
     "predict_finish",
+    "rank",
     "stream_batch",
     "stream_chunks",
     "unique_in_order",

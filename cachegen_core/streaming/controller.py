@@ -1,13 +1,23 @@
-"""The streaming controller: per chunk, a level or text, from the measured bandwidth and a deadline.
+"""The streaming controller: per chunk, a stored form or text, from the measured bandwidth and a deadline.
 
-Every chunk is stored at several levels (0 = best quality, higher = smaller). Before each
-chunk the controller (:func:`choose`) picks an option: a level, or ``"text"`` (send the
-tokens and let the model prefill them on top of the KV already decoded; the last resort
-in quality, its cost is compute, not bytes). Plain functions over plain data: no model,
-no store.
+Every chunk is stored in several forms (*options*): ``"lossless"`` (the KV exactly, in the
+model's dtype), ``"raw"`` (the KV as 16-bit floats: exact for 16-bit models), and
+compression levels 0, 1, ... (0 = best quality, higher = smaller), in that quality order
+(:func:`rank`). Before each chunk the controller (:func:`choose`) picks one of the chunk's
+stored options, or ``"text"`` (send the tokens and let the model prefill them on top of the
+KV already decoded: exact, its cost is compute, not bytes). Plain functions over plain
+data: no model, no store.
 
-Decision rule, after the CacheGen paper (SIGCOMM'24, section 5.3): try the options in
-quality order (levels ascending, then text) and take the first whose predicted finish
+Without a deadline (``slo_s=None``) the choice is the option predicted to finish the whole
+stream first among those at least as fine as the configured ``floor`` (text, being exact,
+always qualifies): each candidate for this chunk is scored by the pipeline's finish when
+every later chunk greedily takes the option that frees the two stages soonest, so on a link
+fast enough to keep the decoder waiting raw chunks go between compressed ones.
+
+With a deadline:
+
+decision rule, after the CacheGen paper (SIGCOMM'24, section 5.3): try the options in
+quality order (:func:`rank`, then text) and take the first whose predicted finish
 *if every remaining chunk were sent at that same option* fits the SLO, the estimated
 bandwidth holding for the rest of the stream. Why "the rest at the same option" rather
 than "this chunk at the candidate, the rest at whatever still fits": the latter spends the
@@ -27,7 +37,7 @@ link and costs ``tokens * prefill_s_per_token``. Each chunk stands for ``n_reque
 chunks of a batch sharing the link and the GPU, so every cost scales with it. The plan must
 fit in ``safety`` of the time left, a margin for drops the estimate has not seen. With no
 option fitting, the one predicted to finish first (which meets the SLO if any option does).
-The first chunk, before any measurement, uses the medium level; with no SLO, the best level.
+The first chunk, before any measurement, uses the medium option; with no SLO, the floor.
 
 The drivers that run the choice chunk by chunk are in :mod:`.driver`.
 """
@@ -40,8 +50,23 @@ from dataclasses import dataclass
 from typing import Literal
 
 TEXT: Literal["text"] = "text"
-#: What a chunk is sent as: a compression level, or its tokens as text.
-Option = int | Literal["text"]
+RAW: Literal["raw"] = "raw"
+LOSSLESS: Literal["lossless"] = "lossless"
+#: What a chunk is sent as: a stored form (a compression level, ``"raw"``, ``"lossless"``) or its tokens as text.
+Option = int | Literal["raw", "lossless", "text"]
+#: The stored forms that are not compression levels, finest first.
+RAW_OPTIONS: tuple[str, ...] = (LOSSLESS, RAW)
+
+
+def rank(option: Option) -> int:
+    """Quality rank of a stored option: lower is finer (lossless -2, raw -1, level n is n)."""
+    if option == LOSSLESS:
+        return -2
+    if option == RAW:
+        return -1
+    if isinstance(option, int) and not isinstance(option, bool) and option >= 0:
+        return option
+    raise ValueError(f"not a stored option: {option!r}")
 
 
 @dataclass(frozen=True)
@@ -51,8 +76,8 @@ class ChunkCost:
     A level missing from ``sizes`` is not stored for this chunk: the controller never picks it.
     """
 
-    sizes: Mapping[int, int]
-    decode_s: Mapping[int, float]
+    sizes: Mapping[Option, int]
+    decode_s: Mapping[Option, float]
     tokens: int
 
 
@@ -72,7 +97,7 @@ class Decision:
 
 
 def compute_seconds(cost: ChunkCost, option: Option, prefill_s_per_token: float, n_requests: int = 1) -> float:
-    """Expected decode seconds of one chunk at a level, or prefill seconds for text."""
+    """Expected decode seconds of one chunk in a stored form, or prefill seconds for text."""
     if option == TEXT:
         return n_requests * cost.tokens * prefill_s_per_token
     return n_requests * cost.decode_s.get(option, 0.0)
@@ -109,7 +134,7 @@ def predict_finish(
 def choose(
     remaining: Sequence[ChunkCost],
     *,
-    levels: Sequence[int],
+    options: Sequence[Option],
     elapsed_s: float,
     slo_s: float | None,
     bandwidth: float | None,
@@ -118,38 +143,46 @@ def choose(
     busy_s: float = 0.0,
     allow_text: bool = True,
     safety: float = 0.85,
+    floor: Option | None = None,
 ) -> Decision:
-    """The option for ``remaining[0]`` (the rule is in the module docstring).
+    """The option for ``remaining[0]`` (the rules are in the module docstring).
 
-    ``bandwidth``: the estimate in bytes/s (``None`` before any fetch). ``safety``: the
-    plan must fit in this fraction of the time left before ``slo_s``.
+    ``options``: the stored options the controller may fetch (a chunk lacking one in its
+    ``sizes`` never gets it). ``bandwidth``: the estimate in bytes/s (``None`` before any
+    fetch). ``safety``: with ``slo_s``, the plan must fit in this fraction of the time left.
+    ``floor``: without ``slo_s``, the coarsest acceptable option (default: the finest of ``options``).
     """
     if not remaining:
         raise ValueError("no chunk left to choose for")
-    if not levels:
-        raise ValueError("no level to choose from")
-    ordered = sorted(lv for lv in levels if lv in remaining[0].sizes)  # what this chunk has stored
+    if not options:
+        raise ValueError("no option to choose from")
+    ordered = sorted((o for o in options if o in remaining[0].sizes), key=rank)  # what this chunk has stored
     if not ordered:
         if not allow_text:
-            raise ValueError(f"chunk has none of the levels {sorted(levels)} and text is not allowed")
+            raise ValueError(f"chunk has none of the options {sorted(options, key=rank)} and text is not allowed")
         return Decision(TEXT, bandwidth, None, True)
+    if slo_s is None:
+        bound = rank(floor) if floor is not None else min(rank(o) for o in options)
+        good = [o for o in sorted(options, key=rank) if rank(o) <= bound]
+        if bandwidth is None or bandwidth <= 0:  # nothing measured yet: the floor itself, or the finest there is
+            first = floor if floor in ordered else next((o for o in ordered if rank(o) <= bound), None)
+            return Decision(first if first is not None else TEXT, bandwidth, None, True)
+        return _fastest(remaining, good, elapsed_s=elapsed_s, bandwidth=bandwidth, busy_s=busy_s,
+                        prefill_s_per_token=prefill_s_per_token, n_requests=n_requests, allow_text=allow_text)  # fmt: skip
     if bandwidth is None or bandwidth <= 0:
-        option = ordered[0] if slo_s is None else ordered[len(ordered) // 2]
-        return Decision(option, bandwidth, None, True)
+        return Decision(ordered[len(ordered) // 2], bandwidth, None, True)
 
     def finish(opt: Option) -> float:
         return predict_finish(remaining, opt, elapsed_s=elapsed_s, bandwidth=bandwidth, busy_s=busy_s,
                               prefill_s_per_token=prefill_s_per_token, n_requests=n_requests)  # fmt: skip
 
-    if slo_s is None:
-        return Decision(ordered[0], bandwidth, finish(ordered[0]), True)
     budget = elapsed_s + safety * max(slo_s - elapsed_s, 0.0)
     text_finish = finish(TEXT) if allow_text else math.inf
     fastest: tuple[float, Option] | None = None
     for opt in ordered:
         f = finish(opt)
         if f <= budget:
-            if text_finish < f:  # text is lossless: a level that would finish later is dominated
+            if text_finish < f:  # text is exact: a stored form that would finish later is dominated
                 return Decision(TEXT, bandwidth, text_finish, True)
             return Decision(opt, bandwidth, f, True)
         if fastest is None or f < fastest[0]:
@@ -160,29 +193,72 @@ def choose(
     return Decision(fastest[1], bandwidth, fastest[0], False)
 
 
+def _fastest(
+    remaining: Sequence[ChunkCost],
+    good: Sequence[Option],
+    *,
+    elapsed_s: float,
+    bandwidth: float,
+    busy_s: float,
+    prefill_s_per_token: float,
+    n_requests: int,
+    allow_text: bool,
+) -> Decision:
+    """No deadline: the candidate for ``remaining[0]`` whose greedy plan of the rest finishes first
+    (ties go to the finer option)."""
+
+    def place(c: ChunkCost, o: Option, link: float, compute: float) -> tuple[float, float]:
+        if o == TEXT:
+            return link, compute + compute_seconds(c, TEXT, prefill_s_per_token, n_requests)
+        arrived = link + n_requests * c.sizes[o] / bandwidth
+        return arrived, max(compute, arrived) + compute_seconds(c, o, prefill_s_per_token, n_requests)
+
+    def candidates(c: ChunkCost) -> list[Option]:
+        return [o for o in good if o in c.sizes] + ([TEXT] if allow_text else [])
+
+    best: tuple[float, Option] | None = None
+    for first in candidates(remaining[0]):
+        link, compute = place(remaining[0], first, elapsed_s, elapsed_s + busy_s)
+        for c in remaining[1:]:
+            steps = [place(c, o, link, compute) for o in candidates(c)]
+            if not steps:
+                link = compute = math.inf
+                break
+            link, compute = min(steps, key=lambda lc: (max(lc), lc[1]))
+        if best is None or compute < best[0]:
+            best = (compute, first)
+    if best is None:  # nothing this chunk has is fine enough, and text is not allowed
+        raise ValueError("no option at least as fine as the floor is stored for this chunk")
+    return Decision(best[1], bandwidth, best[0], True)
+
+
 @dataclass(frozen=True)
 class Controller:
-    """The controller's settings: stored ``levels``, ``slo_s`` (None: always the best level),
-    the expected prefill seconds per token (the cost of text), whether text is allowed, and
-    the ``safety`` fraction of the time left a plan may use."""
+    """The controller's settings: the stored ``options`` it may fetch, ``slo_s`` (None: the fastest
+    option at least as fine as ``floor``, default the finest option), the expected prefill
+    seconds per token (the cost of text), whether text is allowed, and the ``safety``
+    fraction of the time left a plan may use."""
 
-    levels: tuple[int, ...]
+    options: tuple[Option, ...]
     slo_s: float | None = None
     prefill_s_per_token: float = 1e-3
     allow_text: bool = True
     safety: float = 0.85
+    floor: Option | None = None
 
     def __post_init__(self) -> None:
-        if not self.levels:
-            raise ValueError("no level to choose from")
+        if not self.options:
+            raise ValueError("no option to choose from")
         if not 0 < self.safety <= 1:
             raise ValueError("safety must be in (0, 1]")
-        object.__setattr__(self, "levels", tuple(sorted(self.levels)))
+        object.__setattr__(self, "options", tuple(sorted(self.options, key=rank)))
+        if self.floor is not None:
+            rank(self.floor)
 
     def decide(
         self, remaining: Sequence[ChunkCost], *, elapsed_s: float, bandwidth: float | None, n_requests: int = 1, busy_s: float = 0.0
     ) -> Decision:
         """:func:`choose` with these settings."""
-        return choose(remaining, levels=self.levels, elapsed_s=elapsed_s, slo_s=self.slo_s, bandwidth=bandwidth,
+        return choose(remaining, options=self.options, elapsed_s=elapsed_s, slo_s=self.slo_s, bandwidth=bandwidth,
                       prefill_s_per_token=self.prefill_s_per_token, n_requests=n_requests, busy_s=busy_s,
-                      allow_text=self.allow_text, safety=self.safety)  # fmt: skip
+                      allow_text=self.allow_text, safety=self.safety, floor=self.floor)  # fmt: skip

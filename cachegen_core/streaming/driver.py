@@ -9,10 +9,10 @@ distinct chunk fetched and decoded once. Every chunk leaves a :class:`ChunkRecor
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence, Sized
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .controller import TEXT, ChunkCost, Controller, Decision, Option, compute_seconds
 from .estimators import Estimator
@@ -106,8 +106,8 @@ def stream_chunks(
     chunk_ids: Sequence[C],
     costs: Sequence[ChunkCost] | Callable[[C], ChunkCost],
     *,
-    fetch: Callable[[C, int], bytes],
-    decode: Callable[[bytes, C, int], T],
+    fetch: Callable[[C, Option], Sized],
+    decode: Callable[[Any, C, Option], T],
     on_text: Callable[[C], T],
     controller: Controller,
     estimator: Estimator,
@@ -118,7 +118,8 @@ def stream_chunks(
 
     ``costs``: one per chunk, or a function of the chunk read at every decision (so live
     measurements reach the plan). ``fetch(chunk, level)`` runs in one worker thread and
-    returns the blob (raise if it is missing); ``decode(blob, chunk, level)`` and
+    returns the blob, or anything with its length (e.g. the blob with its checksums verified
+    there; raise if it is missing); ``decode(blob, chunk, level)`` and
     ``on_text(chunk)`` (the text option: the caller prefills) run on the calling thread, in
     stream order, each after the previous chunk's has returned, so they may build on it.
     Each fetch's bytes and seconds update ``estimator``. A failing fetch, decode or
@@ -134,7 +135,7 @@ def stream_chunks(
         return controller.decide([cost_of(j) for j in range(i, len(ids))], elapsed_s=clock() - start,
                                  bandwidth=estimator.estimate(), n_requests=n_requests, busy_s=busy_s)  # fmt: skip
 
-    def timed_fetch(chunk: C, level: int) -> tuple[bytes, float]:
+    def timed_fetch(chunk: C, level: Option) -> tuple[Sized, float]:
         t = clock()
         blob = fetch(chunk, level)
         return blob, clock() - t
@@ -147,11 +148,12 @@ def stream_chunks(
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachegen-fetch")
     try:
         decision = plan(0, 0.0)
-        pending: Future[tuple[bytes, float]] | None = None
+        pending: Future[tuple[Sized, float]] | None = None
         if decision.option != TEXT:
             pending = pool.submit(timed_fetch, ids[0], decision.option)
         for i, chunk in enumerate(ids):
-            blob, fetch_s = b"", 0.0
+            blob: Sized = b""
+            fetch_s = 0.0
             if decision.option != TEXT:
                 assert pending is not None
                 try:
@@ -193,8 +195,8 @@ def stream_batch(
     requests: Sequence[Sequence[C]],
     costs: Mapping[C, ChunkCost] | Callable[[C], ChunkCost],
     *,
-    fetch: Callable[[C, int], bytes],
-    decode: Callable[[bytes, C, int], T],
+    fetch: Callable[[C, Option], Sized],
+    decode: Callable[[Any, C, Option], T],
     on_text: Callable[[C], T],
     controller: Controller,
     estimator: Estimator,

@@ -99,7 +99,8 @@ def test_oracle_flags_crashes_wrong_kv_and_hangs(seeds):
     assert check("ok").outcome == "decoded"
     assert check("crash").outcome == "crash"
     assert check("hang").outcome == "hang"
-    assert check("huge").outcome == "overalloc"
+    # a 64 MB allocation under tracemalloc can take longer than 0.1 s on a busy machine: judge it without the clock
+    assert H.check_codec(Leaky("huge"), s.blob, expected=s.kv, forged=False, hang_s=30).outcome == "overalloc"
     assert check("wrong", corrupted).outcome == "wrong_kv_accepted"
     assert check("wrong", corrupted, True).outcome == "forged_accepted"
     assert check("inf", corrupted, True).outcome == "wrong_kv_accepted"

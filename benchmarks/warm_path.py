@@ -1,0 +1,357 @@
+"""Warm time to first token of every way to reuse a stored context, on every store and link (issue 15).
+
+    python -m benchmarks.warm_path [--quick] [--data F] [--device cpu|cuda] [--out F.jsonl]
+
+For contexts of about 3K and 7.5K tokens (held-out LongChat transcripts, a question after
+them), the time from the request to the first generated token of:
+
+- ``text``: no cache, the whole prompt prefilled;
+- ``fp16``, ``uniform8``: the naive formats, the same chunks stored as plain fp16 bytes or as
+  8-bit codes (per-channel keys, per-token values, fp16 scales: KIVI/KVQuant practice) under
+  plain keys of the same store, fetched with the next chunk's fetch overlapping this chunk's
+  conversion, converted into a preallocated cache the model extends in place (the strongest
+  honest version of "keep the KV");
+- ``cachegen-L``: the engine pinned to level L (only L stored, text never chosen);
+- ``cachegen-auto``: the engine as shipped (default stored options, no deadline: the fastest
+  option at least as fine as the default level).
+
+``miss-path`` rows: the cost of storing on a miss. Several distinct contexts answered cold, one
+after the other, by an engine that stores them (its background writer running beside the next
+requests) and by the same engine with storing off; ``overhead`` is the ratio of their total
+latencies minus one.
+
+Stores: ``memory``, ``disk`` (diskcache in a temp dir), ``redis`` (a real redis-server on
+loopback), and the same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s. Every policy
+is warmed up (the engine learns its costs and the link) before it is timed; a row is the
+median of ``--reps`` runs. ``bound_s`` = bytes / link bandwidth (none for local stores) +
+decoding the levels' symbols at the native coder's rANS rate measured here + the question's
+prefill on the reused KV (measured here): what no implementation of that policy could beat.
+JSON lines: ``{"store", "link_gbps", "context_tokens", "policy", "ttft_s", "bytes", "decode_s",
+"bound_s", ...}``; a summary line per (store, context) gives ``cachegen-auto``'s ratio to ``fp16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl, setup_threads
+from cachegen_core.chunks import chunk_keys
+from cachegen_core.engine import KVEngine, hf
+from cachegen_core.engine.attention import use_gqa_attention
+from cachegen_core.kv import KVCache
+
+QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
+LINKS = {"redis@1gbps": 1.0, "redis@0.2gbps": 0.2}
+
+
+# ------------------------------------------------------------------ the naive formats
+def pack_fp16(kv: KVCache) -> bytes:
+    """Keys then values as fp16, C order (what a user storing "the KV" writes)."""
+    return b"".join(x.to(torch.float16).contiguous().numpy().tobytes() for x in (kv.keys, kv.values))
+
+
+def unpack_fp16(blob: bytes, out: KVCache) -> None:
+    n = out.keys.numel()
+    x = torch.from_numpy(np.frombuffer(blob, dtype=np.float16, count=2 * n))
+    out.keys.copy_(x[:n].view(out.keys.shape))
+    out.values.copy_(x[n:].view(out.values.shape))
+
+
+def pack_uniform8(kv: KVCache) -> bytes:
+    """8-bit asymmetric: keys per channel (over the chunk's tokens), values per token (over head dims);
+    uint8 codes, then fp16 minimum and step."""
+    parts = []
+    for x, dim in ((kv.keys, 2), (kv.values, 3)):
+        x = x.float()
+        lo = x.amin(dim=dim, keepdim=True).half().float()
+        step = ((x.amax(dim=dim, keepdim=True) - lo) / 255).clamp_min(1e-8).half().float()
+        q = torch.round((x - lo) / step).clamp_(0, 255).to(torch.uint8)
+        parts += [q.numpy().tobytes(), lo.half().numpy().tobytes(), step.half().numpy().tobytes()]
+    return b"".join(parts)
+
+
+def unpack_uniform8(blob: bytes, out: KVCache) -> None:
+    layers, heads, tokens, dim = out.shape
+    at = 0
+    for x, pshape in ((out.keys, (layers, heads, 1, dim)), (out.values, (layers, heads, tokens, 1))):
+        n, m = x.numel(), int(np.prod(pshape))
+        q = torch.from_numpy(np.frombuffer(blob, np.uint8, n, at)).view(x.shape)
+        lo = torch.from_numpy(np.frombuffer(blob, np.float16, m, at + n)).view(pshape)
+        step = torch.from_numpy(np.frombuffer(blob, np.float16, m, at + n + 2 * m)).view(pshape)
+        x.copy_(q.float() * step.float() + lo.float())
+        at += n + 4 * m
+
+
+NAIVE: dict[str, tuple[Callable[[KVCache], bytes], Callable[[bytes, KVCache], None]]] = {
+    "fp16": (pack_fp16, unpack_fp16),
+    "uniform8": (pack_uniform8, unpack_uniform8),
+}
+
+
+# ------------------------------------------------------------------ stores and links
+@contextlib.contextmanager
+def open_store(kind: str, redis_url: str | None) -> Iterator[Any]:
+    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: PLC0415
+
+    if kind == "memory":
+        yield MemoryStore()
+    elif kind == "disk":
+        with tempfile.TemporaryDirectory(prefix="cachegen-warm-") as d, DiskCacheStore(Path(d)) as s:
+            yield s
+    else:
+        assert redis_url is not None
+        with RedisStore(redis_url, socket_timeout=600.0, namespace=f"warm-{kind}:") as s:
+            yield s
+
+
+@contextlib.contextmanager
+def redis_links(kinds: list[str]) -> Iterator[dict[str, str]]:
+    """URLs per store kind that needs Redis: the server itself, and proxies shaped to LINKS."""
+    if not any(k.startswith("redis") for k in kinds):
+        yield {}
+        return
+    from benchmarks.throttled_proxy import ThrottledProxy  # noqa: PLC0415
+    from cachegen_core.testing import running_redis_server  # noqa: PLC0415
+
+    with running_redis_server() as server, contextlib.ExitStack() as stack:
+        urls = {"redis": server.url}
+        for kind, gbps in LINKS.items():
+            if kind in kinds:
+                proxy = stack.enter_context(ThrottledProxy(server.port, [gbps], slice_s=3600.0, shape_upload=False))
+                urls[kind] = f"redis://{proxy.host}:{proxy.port}/0"
+        yield urls
+
+
+# ------------------------------------------------------------------ one context
+class Context:
+    """One prompt (transcript cut to ``tokens`` + the question), its KV, chunks and timing helpers."""
+
+    def __init__(self, model: Any, tok: Any, text: str, tokens: int, chunk_tokens: int) -> None:
+        ids = tok(text, add_special_tokens=True)["input_ids"][:tokens]
+        self.model, self.tok, self.chunk_tokens = model, tok, chunk_tokens
+        self.ids = ids + tok(QUESTION, add_special_tokens=False)["input_ids"]
+        self.n_chunks = len(ids) // chunk_tokens
+        self.covered = self.n_chunks * chunk_tokens
+        self.kv = hf.prefill(model, self.ids[: self.covered])
+        self.gen = {"max_new_tokens": 1}
+
+    def buffer(self) -> KVCache:
+        layers, heads, _, dim = self.kv.shape
+        shape = (layers, heads, len(self.ids) + 2, dim)
+        dtype, dev = hf.model_dtype(self.model), self.model.device
+        return KVCache(torch.empty(shape, dtype=dtype, device=dev), torch.empty(shape, dtype=dtype, device=dev))
+
+    def text_ttft(self) -> float:
+        out = hf.generate(self.model, self.tok, self.ids, None, time.perf_counter(), self.gen)
+        return out.ttft_s or 0.0
+
+    def question_ttft(self) -> float:
+        """The question's prefill on the whole reused KV, nothing to fetch: part of every bound."""
+        buf = self.buffer()
+        buf.keys[:, :, : self.covered].copy_(self.kv.keys)
+        buf.values[:, :, : self.covered].copy_(self.kv.values)
+        out = hf.generate(self.model, self.tok, self.ids, buf, time.perf_counter(), self.gen, filled=self.covered)
+        return out.ttft_s or 0.0
+
+    def naive_ttft(self, store: Any, fmt: str, prefix: str) -> dict[str, float]:
+        """Fetch the chunks in ``fmt`` (next fetch overlapping this conversion), convert into the cache, generate."""
+        unpack = NAIVE[fmt][1]
+        t0 = time.perf_counter()
+        buf, got, convert_s = self.buffer(), 0, 0.0
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(store.get, f"{prefix}{fmt}-{0}")
+            for i in range(self.n_chunks):
+                blob = pending.result()
+                if i + 1 < self.n_chunks:
+                    pending = pool.submit(store.get, f"{prefix}{fmt}-{i + 1}")
+                t = time.perf_counter()
+                unpack(blob, buf.slice(i * self.chunk_tokens, (i + 1) * self.chunk_tokens))
+                convert_s += time.perf_counter() - t
+                got += len(blob)
+        out = hf.generate(self.model, self.tok, self.ids, buf, t0, self.gen, filled=self.covered)
+        return {"ttft_s": out.ttft_s or 0.0, "bytes": got, "decode_s": convert_s}
+
+    def store_naive(self, store: Any, prefix: str) -> None:
+        for fmt, (pack, _) in NAIVE.items():
+            for i in range(self.n_chunks):
+                store.put(f"{prefix}{fmt}-{i}", pack(self.kv.slice(i * self.chunk_tokens, (i + 1) * self.chunk_tokens)))
+
+
+def engine_ttft(engine: KVEngine, ids: list[int]) -> dict[str, Any]:
+    _, info = engine.generate(ids, max_new_tokens=1)
+    if info.errors:
+        raise RuntimeError(f"the engine reported errors: {info.errors}")
+    return {"ttft_s": info.ttft_s, "bytes": info.bytes_fetched, "decode_s": info.decode_s,
+            "cached_tokens": info.cached_tokens, "options": list(info.levels)}  # fmt: skip
+
+
+def rans_rate(engine: KVEngine, kv: KVCache) -> float:
+    """Symbols per second of the native rANS decoder alone on this chunk (tables built outside the timing)."""
+    codec = engine.codec
+    p = codec.prepare(kv, codec.config.default_level)
+    payloads = codec.coder.encode(p.symbols, p.layout, p.freqs)
+    codec.coder.decode(payloads, p.layout, p.freqs)  # warm-up: tables converted and cached
+    best = min(_timed(lambda: codec.coder.decode(payloads, p.layout, p.freqs)) for _ in range(3))
+    return p.layout.n_symbols / best
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+# ------------------------------------------------------------------ the run
+def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_option(ap)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[3072, 7680], help="context tokens (multiples of the chunk)")
+    ap.add_argument("--transcripts", type=int, default=2, help="held-out transcripts (10, 11, ...) per context length")
+    ap.add_argument("--stores", nargs="+", default=["memory", "disk", "redis", *LINKS])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunk-tokens", type=int, default=1536)
+    ap.add_argument("--quick", action="store_true", help="one 3K context, one transcript, one rep: under 10 minutes on 2 cores")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--miss-contexts", type=int, default=4, help="distinct contexts for the miss-path rows (0: none)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.contexts, args.transcripts, args.reps, args.miss_contexts = [3072], 1, 1, 2
+    setup_threads()
+    model, tok = load(args.model)
+    model = model.to(args.device)
+    use_gqa_attention(model)  # as KVEngine.from_pretrained does; every policy, baselines included, runs on it
+    texts = read_jsonl(args.data, "prompt")[10 : 10 + args.transcripts]
+    out = open(args.out, "w") if args.out else None  # noqa: SIM115
+    t_start = time.perf_counter()
+    with redis_links(args.stores) as urls:
+        for tokens in args.contexts:
+            contexts = [Context(model, tok, t, tokens, args.chunk_tokens) for t in texts]
+            for store_kind in args.stores:
+                link = LINKS.get(store_kind)
+                rows = _measure_store(args, model, tok, contexts, store_kind, urls.get(store_kind, urls.get("redis")), link)
+                for r in rows:
+                    emit(r, out)
+                _summary(rows, store_kind, tokens, out)
+                if args.miss_contexts and store_kind in ("memory", "disk", "redis"):
+                    miss_texts = read_jsonl(args.data, "prompt")[12 : 12 + args.miss_contexts]
+                    emit(miss_path(args, model, tok, store_kind, urls.get(store_kind), tokens, miss_texts), out)
+            print(f"# {tokens} tokens done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    if out is not None:
+        out.close()
+
+
+def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kind: str, url: str | None, link: float | None) -> list[dict[str, Any]]:
+    from cachegen_core.engine import KVEngine  # noqa: PLC0415
+
+    results: dict[str, list[dict[str, Any]]] = {}
+    bounds: dict[str, list[float]] = {}
+    with open_store(kind, url) as store:
+        engines = {"cachegen-auto": KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens)}
+        codec = engines["cachegen-auto"].codec
+        for lv in codec.levels:
+            engines[f"cachegen-{lv}"] = KVEngine(model, tok, codec, store, chunk_tokens=args.chunk_tokens, level=lv,
+                                                 store_options=[lv], allow_text=False)  # fmt: skip
+        rate = rans_rate(engines["cachegen-auto"], contexts[0].kv.slice(0, args.chunk_tokens))
+        for ci, ctx in enumerate(contexts):
+            prefix = f"ctx{ci}-"
+            ctx.store_naive(store, prefix)
+            for e in engines.values():
+                e.generate(ctx.ids, max_new_tokens=1)  # cold: computes and stores
+                e.flush()
+            question_s = statistics.median(ctx.question_ttft() for _ in range(max(1, args.reps)))
+            wire = (lambda n: n / (link * 1e9 / 8)) if link else (lambda n: 0.0)  # noqa: E731
+            policies: dict[str, Callable[[], dict[str, Any]]] = {
+                "text": lambda ctx=ctx: {"ttft_s": ctx.text_ttft(), "bytes": 0, "decode_s": 0.0},
+                **{fmt: (lambda fmt=fmt, ctx=ctx, prefix=prefix: ctx.naive_ttft(store, fmt, prefix)) for fmt in NAIVE},
+                **{name: (lambda e=e, ctx=ctx: engine_ttft(e, ctx.ids)) for name, e in engines.items()},
+            }
+            for name, run in policies.items():
+                warm = 2 if name == "cachegen-auto" else 1  # the adaptive engine learns the link and its decode costs
+                for _ in range(warm):
+                    run()
+                reps = [run() for _ in range(args.reps)]
+                mid = sorted(reps, key=lambda r: r["ttft_s"])[len(reps) // 2]
+                results.setdefault(name, []).append(mid)
+                symbols = ctx.kv.num_elements if name.startswith("cachegen-") and mid.get("options") and all(
+                    isinstance(o, int) for o in mid["options"]) else 0  # fmt: skip
+                bound = (wire(mid["bytes"]) + symbols / rate + question_s) if name != "text" else mid["ttft_s"]
+                bounds.setdefault(name, []).append(bound)
+    rows = []
+    for name, rs in results.items():
+        row = {
+            "store": kind, "link_gbps": link, "context_tokens": contexts[0].covered, "prompt_tokens": len(contexts[0].ids),
+            "policy": name, "ttft_s": round(statistics.mean(r["ttft_s"] for r in rs), 4),
+            "bytes": int(statistics.mean(r["bytes"] for r in rs)), "decode_s": round(statistics.mean(r["decode_s"] for r in rs), 4),
+            "bound_s": round(statistics.mean(bounds[name]), 4), "transcripts": len(rs), "reps": args.reps,
+            "device": str(model.device), "rans_msym_s": round(rate / 1e6, 1),
+        }  # fmt: skip
+        if any("options" in r for r in rs):
+            row["options"] = [r.get("options") for r in rs]
+        rows.append(row)
+    return rows
+
+
+class _NoStore:
+    """A store that keeps nothing: the engine then only computes (the miss path's baseline)."""
+
+    namespace, local = "", True
+
+    def get_many(self, keys: list[str]) -> list[None]:
+        return [None] * len(keys)
+
+    def get(self, key: str) -> None:
+        return None
+
+    def put(self, key: str, value: bytes) -> None:
+        pass
+
+    def put_many(self, items: Any) -> None:
+        pass
+
+
+def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, tokens: int, texts: list[str]) -> dict[str, Any]:
+    """Cold requests on distinct contexts, storing vs not storing, on a warm engine: the overhead of storing."""
+    prompts = [Context(model, tok, t, tokens, args.chunk_tokens).ids for t in texts]
+    with open_store(kind, url) as store:
+        storing = KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens)
+        plain = KVEngine(model, tok, storing.codec, _NoStore(), chunk_tokens=args.chunk_tokens, background=False)  # type: ignore[arg-type]
+        plain.generate(prompts[0][:64], max_new_tokens=1)  # warm engines: first-call costs paid
+        storing.generate(prompts[0][:64], max_new_tokens=1)
+        times: dict[str, list[float]] = {"plain": [], "storing": []}
+        for name, eng in (("plain", plain), ("storing", storing)):
+            for ids in prompts:
+                _, info = eng.generate(ids, max_new_tokens=8)
+                times[name].append(info.total_s)
+        storing.flush()
+    cold, base = sum(times["storing"]), sum(times["plain"])
+    return {"store": kind, "link_gbps": LINKS.get(kind), "context_tokens": tokens, "policy": "miss-path", "contexts": len(prompts),
+            "storing_s": round(cold, 3), "plain_s": round(base, 3), "overhead": round(cold / base - 1, 4),
+            "per_request_storing_s": [round(t, 3) for t in times["storing"]], "per_request_plain_s": [round(t, 3) for t in times["plain"]]}  # fmt: skip
+
+
+def _summary(rows: list[dict[str, Any]], store: str, tokens: int, out: Any) -> None:
+    by = {r["policy"]: r for r in rows}
+    auto, fp16 = by.get("cachegen-auto"), by.get("fp16")
+    if auto and fp16:
+        emit({"summary": "auto_vs_fp16", "store": store, "context_tokens": auto["context_tokens"],
+              "auto_over_fp16": round(auto["ttft_s"] / fp16["ttft_s"], 3),
+              "fp16_over_auto": round(fp16["ttft_s"] / auto["ttft_s"], 3),
+              "text_over_auto": round(by["text"]["ttft_s"] / auto["ttft_s"], 3) if "text" in by else None}, out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""What is in a store, and evicting from it: the work behind ``cachegen stats`` and ``cachegen gc``.
+
+A chunk is stored as ``<chunk>-M`` (its manifest) and ``<chunk>-L<level>`` (one blob per
+level); :func:`scan` groups a store's entries by chunk. A chunk's *age* is its
+manifest's (the entry the engine looks up on every request), else its newest entry's:
+on disk the time since it was stored, on Redis since it was last read or written (the
+listing itself reads nothing, see ``RedisStore.entries``). Blob headers are read only
+for what needs them (models by fingerprint), a bounded prefix at a time. Keys of
+another shape in the namespace are counted as ``other`` and never touched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CacheGenFormatError
+from ..format import read_header
+from .base import KVStore
+from .signed import unwrap
+
+KEY_RE = re.compile(r"^(?P<chunk>[0-9a-f]{64})-(?:(?P<manifest>M)|L(?P<level>\d{1,2}))$")
+#: Bytes read to parse a blob's header (a header is ~1 KiB; a longer one is read whole).
+HEAD_BYTES = 1 << 16
+
+
+@dataclass
+class ChunkEntries:
+    """One chunk's entries: its manifest's bytes (None: no manifest) and each level's blob bytes."""
+
+    chunk: str
+    manifest: int | None = None
+    levels: dict[int, int] = field(default_factory=dict)
+    age_s: float | None = None
+    newest_s: float | None = None
+
+    @property
+    def bytes(self) -> int:
+        return (self.manifest or 0) + sum(self.levels.values())
+
+    @property
+    def keys(self) -> list[str]:
+        """Its keys, manifest first (deleted in this order: a reader never sees a manifest without its blobs)."""
+        return ([f"{self.chunk}-M"] if self.manifest is not None else []) + [f"{self.chunk}-L{lv}" for lv in self.levels]
+
+
+@dataclass
+class Scan:
+    """A store's entries grouped by chunk, and the entries of no chunk."""
+
+    chunks: dict[str, ChunkEntries]
+    other_keys: int = 0
+    other_bytes: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.chunks.values()) + self.other_bytes
+
+
+def entries(store: KVStore) -> Iterable[tuple[str, int, float | None]]:
+    """(key, bytes, age in seconds or None) of every entry of ``store``'s namespace."""
+    backend = unwrap(store)
+    listing = getattr(backend, "entries", None)
+    if listing is not None:
+        return listing()
+    return ((k, len(backend.get(k) or b""), None) for k in backend.keys())  # a store without a listing of its own
+
+
+def scan(store: KVStore) -> Scan:
+    """Every entry of ``store`` grouped by chunk (see the module doc)."""
+    out = Scan({})
+    for key, size, age in entries(store):
+        m = KEY_RE.match(key)
+        if m is None:
+            out.other_keys += 1
+            out.other_bytes += size
+            continue
+        c = out.chunks.setdefault(m["chunk"], ChunkEntries(m["chunk"]))
+        if m["manifest"]:
+            c.manifest = size
+            c.age_s = age
+        else:
+            c.levels[int(m["level"])] = size
+        if age is not None and (c.newest_s is None or age < c.newest_s):
+            c.newest_s = age
+    for c in out.chunks.values():
+        if c.manifest is None:
+            c.age_s = c.newest_s
+    return out
+
+
+def blob_header(store: KVStore, key: str) -> dict[str, Any] | None:
+    """The parsed header of the blob under ``key`` (None: absent or not a blob); reads a prefix where it can."""
+    backend = unwrap(store)
+    head = getattr(backend, "head", None)
+    data = head(key, HEAD_BYTES) if head is not None else backend.get(key)
+    for attempt in (0, 1):
+        if data is None:
+            return None
+        try:
+            return read_header(data)
+        except CacheGenFormatError:
+            if attempt or head is None or len(data) < HEAD_BYTES:
+                return None
+            data = backend.get(key)  # a header longer than the prefix
+    return None
+
+
+def chunk_model(store: KVStore, chunk: ChunkEntries) -> str | None:
+    """The model fingerprint in the header of one of the chunk's blobs (None: no readable blob)."""
+    for level in sorted(chunk.levels):
+        header = blob_header(store, f"{chunk.chunk}-L{level}")
+        if header is not None and isinstance(header.get("model_fingerprint"), str):
+            return header["model_fingerprint"]
+    return None
+
+
+def stats(store: KVStore, *, headers: bool = True) -> dict[str, Any]:
+    """Entries, bytes, chunks, manifests, blobs and bytes per level, and (``headers``) chunks per model."""
+    s = scan(store)
+    levels: dict[int, dict[str, int]] = defaultdict(lambda: {"blobs": 0, "bytes": 0})
+    for c in s.chunks.values():
+        for lv, n in c.levels.items():
+            levels[lv]["blobs"] += 1
+            levels[lv]["bytes"] += n
+    ages = [c.age_s for c in s.chunks.values() if c.age_s is not None]
+    out: dict[str, Any] = {
+        "store": repr(unwrap(store)),
+        "entries": sum(len(c.keys) for c in s.chunks.values()) + s.other_keys,
+        "bytes": s.bytes,
+        "chunks": len(s.chunks),
+        "manifests": sum(c.manifest is not None for c in s.chunks.values()),
+        "manifest_bytes": sum(c.manifest or 0 for c in s.chunks.values()),
+        "blobs": sum(len(c.levels) for c in s.chunks.values()),
+        "levels": {str(lv): levels[lv] for lv in sorted(levels)},
+        "chunks_without_manifest": sum(c.manifest is None for c in s.chunks.values()),
+        "other_keys": s.other_keys,
+        "oldest_chunk_age_s": max(ages) if ages else None,
+        "newest_chunk_age_s": min(ages) if ages else None,
+    }
+    if headers:
+        models: dict[str, dict[str, int]] = defaultdict(lambda: {"chunks": 0, "bytes": 0})
+        for c in s.chunks.values():
+            fp = chunk_model(store, c) or "unreadable"
+            models[fp]["chunks"] += 1
+            models[fp]["bytes"] += c.bytes
+        out["models"] = dict(models)
+    return out
+
+
+@dataclass(frozen=True)
+class GcPolicy:
+    """What ``gc`` evicts: chunks older than ``max_age_s``, of a model whose fingerprint starts with
+    ``model``, without a manifest (``orphans``, once older than ``orphan_grace_s``), then the oldest
+    until the store holds at most ``max_bytes``."""
+
+    max_age_s: float | None = None
+    max_bytes: int | None = None
+    model: str | None = None
+    orphans: bool = False
+    orphan_grace_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.model is not None and len(self.model) < 8:
+            raise ValueError("give at least 8 characters of the model fingerprint")
+        if (self.max_age_s, self.max_bytes, self.model, self.orphans) == (None, None, None, False):
+            raise ValueError("nothing to collect: give an age, a size, a model or orphans")
+
+
+def gc(store: KVStore, policy: GcPolicy, *, dry_run: bool = False) -> dict[str, Any]:
+    """Evict the chunks ``policy`` selects (whole chunks, manifest first); what was (or would be) deleted."""
+    s = scan(store)
+    reasons: dict[str, str] = {}
+    for c in s.chunks.values():
+        if policy.max_age_s is not None and c.age_s is not None and c.age_s >= policy.max_age_s:
+            reasons[c.chunk] = "age"
+        elif policy.orphans and c.manifest is None and c.newest_s is not None and c.newest_s >= policy.orphan_grace_s:
+            reasons[c.chunk] = "orphan"
+        elif policy.model is not None and (chunk_model(store, c) or "").startswith(policy.model):
+            reasons[c.chunk] = "model"
+    left = s.bytes - sum(s.chunks[k].bytes for k in reasons)
+    if policy.max_bytes is not None and left > policy.max_bytes:
+        rest = sorted((c for c in s.chunks.values() if c.chunk not in reasons),
+                      key=lambda c: -1.0 if c.age_s is None else c.age_s, reverse=True)  # fmt: skip
+        for c in rest:
+            if left <= policy.max_bytes:
+                break
+            reasons[c.chunk] = "size"
+            left -= c.bytes
+    victims = [s.chunks[k] for k in reasons]
+    backend = unwrap(store)
+    if not dry_run:
+        for i in range(0, len(victims), 200):
+            batch = victims[i : i + 200]
+            backend.delete_many([k for c in batch for k in c.keys[:1] if k.endswith("-M")])
+            backend.delete_many([k for c in batch for k in c.keys if not k.endswith("-M")])
+    by_reason: dict[str, int] = defaultdict(int)
+    for r in reasons.values():
+        by_reason[r] += 1
+    return {
+        "store": repr(unwrap(store)),
+        "dry_run": dry_run,
+        "chunks_deleted": len(victims),
+        "keys_deleted": sum(len(c.keys) for c in victims),
+        "bytes_freed": sum(c.bytes for c in victims),
+        "by_reason": dict(by_reason),
+        "chunks_left": len(s.chunks) - len(victims),
+        "bytes_left": left,
+        "unknown_ages": sum(c.age_s is None for c in s.chunks.values()),
+    }

@@ -1,0 +1,40 @@
+"""What the LangChain classes report about an answer: why it ended, and its token usage.
+
+The engine's ``GenerationInfo`` counts tokens but does not say why generation stopped,
+so :func:`finish_reason` derives it from what the LangChain layer knows: the new tokens
+against the token limit, and whether a stop sequence was found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from langchain_core.messages.ai import UsageMetadata
+
+FinishReason = Literal["stop", "length"]
+
+
+def finish_reason(new_tokens: int, max_new_tokens: int | None, stopped: bool) -> FinishReason:
+    """``"stop"``: ended on EOS or a stop sequence; ``"length"``: ran into ``max_new_tokens``.
+
+    An answer whose EOS is exactly its ``max_new_tokens``-th token reads as ``"length"``:
+    the token count alone cannot tell them apart.
+    """
+    if stopped or max_new_tokens is None or new_tokens < max_new_tokens:
+        return "stop"
+    return "length"
+
+
+def usage_metadata(info: Mapping[str, Any]) -> UsageMetadata:
+    """Usage of one answer from its generation info; tokens reused from the store are ``cache_read``."""
+    prompt, new = int(info.get("prompt_tokens", 0)), int(info.get("new_tokens", 0))
+    return {
+        "input_tokens": prompt,
+        "output_tokens": new,
+        "total_tokens": prompt + new,
+        "input_token_details": {"cache_read": int(info.get("cached_tokens", 0))},
+    }
+
+
+__all__ = ["FinishReason", "finish_reason", "usage_metadata"]

@@ -1,0 +1,67 @@
+"""The native component decoder computes exactly what the torch path computes; decoding writes into any slice of a KV buffer."""
+
+import pytest
+import torch
+
+from cachegen_core import fused
+from cachegen_core.codec import KVCodec
+from cachegen_core.coders import native_lib
+from cachegen_core.config import CodecConfig
+from cachegen_core.errors import CacheGenFormatError
+from cachegen_core.format import unpack
+from cachegen_core.kv import KVCache
+from cachegen_core.substreams import stream_layout
+
+pytestmark = pytest.mark.skipif(not native_lib.available(), reason="native coder library not built")
+
+
+def torch_path(codec: KVCodec, blob: bytes) -> KVCache:
+    c = unpack(blob, codec.limits, views=True)
+    h = codec.check_header(c.header, len(blob))
+    geo = codec._geometry(h.shape[0], h.shape[1], h.shape[2], h.shape[3], h.start)
+    mean, step, exact, freqs = codec._side_info(h, c, geo)
+    comps = codec._components_torch(h, geo, step, freqs, stream_layout(geo, h.level, codec._tables), c, torch.device("cpu"))
+    return codec._synthesise(h, comps, mean, exact, h.start, None)
+
+
+@pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(sink_tokens=0), CodecConfig(sink_tokens=4, step_cap=2.0),
+                                    CodecConfig(stream_symbols=700)], ids=["default", "no-sink", "sink4-capped", "many-streams"])
+def test_bit_exact_with_the_torch_path_at_every_level(tiny_kv, config):
+    codec = KVCodec(config)
+    for kv, start in ((tiny_kv, 0), (tiny_kv.slice(0, 1), 0), (tiny_kv.slice(3, 14), 3), (tiny_kv.slice(3, 14), 0)):
+        for level in codec.levels:
+            blob = codec.encode(kv, level, start=start)
+            ref = torch_path(codec, blob)
+            got = codec.decode(blob)
+            assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_decodes_into_a_slice_of_a_larger_buffer_in_its_dtype(tiny_kv, dtype):
+    codec = KVCodec()
+    blob = codec.encode(tiny_kv.slice(0, 40), 1)
+    ref = torch_path(codec, blob)
+    buf = KVCache(torch.full((3, 2, 100, 16), 7.0, dtype=dtype), torch.full((3, 2, 100, 16), 7.0, dtype=dtype))
+    out = buf.slice(30, 70)
+    assert codec.decode(blob, out=out) is out
+    assert torch.equal(out.keys, ref.keys.to(dtype)) and torch.equal(out.values, ref.values.to(dtype))  # one rounding
+    assert (buf.keys[:, :, :30] == 7).all() and (buf.keys[:, :, 70:] == 7).all()  # nothing outside the slice
+
+
+def test_a_buffer_of_another_shape_is_a_format_error(tiny_kv):
+    codec = KVCodec()
+    blob = codec.encode(tiny_kv.slice(0, 40), 1)
+    with pytest.raises(CacheGenFormatError, match="shape"):
+        codec.decode(blob, out=KVCache(torch.empty(3, 2, 41, 16), torch.empty(3, 2, 41, 16)))
+
+
+def test_values_beyond_the_output_dtype_are_refused():
+    big = KVCache(torch.randn(2, 1, 20, 8) * 30000, torch.randn(2, 1, 20, 8))
+    blob = KVCodec().encode(big, 0)
+    KVCodec().decode(blob)  # float32 holds it
+    with pytest.raises(CacheGenFormatError, match="range"):
+        KVCodec().decode(blob, out=KVCache(torch.empty(2, 1, 20, 8, dtype=torch.float16), torch.empty(2, 1, 20, 8, dtype=torch.float16)))
+
+
+def test_supports_only_the_native_coder():
+    assert fused.supports(native_lib.CODER_NAME) and not fused.supports("torchac")
