@@ -10,6 +10,7 @@ from cachegen_core.cli import main as cli
 from cachegen_core.codec import KVCodec
 from cachegen_core.config import CodecConfig
 from cachegen_core.kv import KVCache
+from cachegen_core.pipeline import components, dequantise, quantise, synthesise
 from cachegen_core.profile import Profile
 from cachegen_core.testing import words
 
@@ -79,4 +80,9 @@ def test_profile_command_writes_a_profile_the_codec_uses(tiny_llama, tiny_tokeni
     with_p, without = KVCodec(CodecConfig(), profile), KVCodec(CodecConfig())
     blob = with_p.encode(kv)
     assert len(blob) < len(without.encode(kv))
-    assert torch.equal(with_p.decode(blob).keys, without.decode(without.encode(kv)).keys)
+    # v2: the profile also carries the per-head transform, so the reconstruction is the pipeline's with it
+    tf = profile.transform
+    comp = components(kv, tf, start=0, sink_tokens=with_p.config.sink_tokens, rotary=profile.rotary)
+    coded = quantise(comp, with_p.config.level_step(with_p.config.default_level), fitted=True, step_cap=with_p.config.step_cap)
+    keys, _ = synthesise(dequantise(coded), coded.mean, coded.exact, tf, rotary=profile.rotary)
+    assert torch.equal(with_p.decode(blob).keys, keys.to(kv.dtype))
