@@ -11,7 +11,7 @@ from typing import Any
 #: units of the RMS of the Fisher-weighted components (``transform.py``), the same for every
 #: component of every layer; without one, in units of the RMS of each layer's channels.
 #: Chosen on SmolLM2-135M (``docs/results.md``, "Codec v2").
-DEFAULT_LEVELS: tuple[float, ...] = (0.05, 0.145, 0.31, 0.64)
+DEFAULT_LEVELS: tuple[float, ...] = (0.03, 0.075, 0.16, 0.34)
 TRANSFORMS = ("fisher-klt", "pca", "none")
 
 
