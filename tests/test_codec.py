@@ -413,5 +413,10 @@ def test_fitted_transform_round_trip_and_profile_file(tiny_llama, tmp_path):
     want = _expected(kv, codec, 1, start=64)
     assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
     assert (got.keys - kv.keys).abs().mean() < kv.keys.abs().mean() * 0.2
+    L, H, _, D = kv.shape
+    buf = KVCache(torch.zeros(L, H, 200, D, dtype=torch.bfloat16), torch.zeros(L, H, 200, D, dtype=torch.bfloat16))
+    out = codec.decode(blob, out=buf.slice(64, 160))  # into the prompt's buffer, in the model's dtype: one rounding
+    assert torch.equal(out.keys, want.keys.to(torch.bfloat16)) and torch.equal(out.values, want.values.to(torch.bfloat16))
+    assert (buf.keys[:, :, :64] == 0).all() and (buf.keys[:, :, 160:] == 0).all()
     with pytest.raises(ValueError, match="rotary"):
         KVCodec(cfg, loaded, rotary=RotarySpec((1.0,) * (spec.head_dim // 2)))
