@@ -17,7 +17,7 @@ the model). ``generate_many`` reports the batch's fetch figures on each of its r
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
@@ -98,8 +98,14 @@ class MetricsRecorder:
         self._lock = threading.Lock()
         self._by_store: dict[str, StoreMetrics] = {}
 
-    def record(self, info: GenerationInfo, engine: KVEngine) -> None:
-        """Add a finished request of ``engine`` (its store, chunk size and prefill cost)."""
+    def record(self, info: GenerationInfo, engine: KVEngine, *, fetch_counted: bool = False) -> None:
+        """Add a finished request of ``engine`` (its store, chunk size and prefill cost).
+
+        ``fetch_counted``: the request's fetch figures are its batch's, already added with
+        another request of the batch (``generate_many`` streams shared chunks once).
+        """
+        if fetch_counted:
+            info = replace(info, bytes_fetched=0, fetch_s=0.0, decode_s=0.0)
         one = request_metrics(info, engine.chunk_tokens, engine.cost_model.prefill_s_per_token)
         label = repr(engine.store)
         with self._lock:

@@ -47,6 +47,20 @@ def test_metrics_add_up_the_requests(engine):
     assert d["hit_rate"] == m.hit_rate and d["stores"]["MemoryStore(namespace='m:')"]["hits"] == 2
 
 
+def test_a_batch_counts_its_shared_fetch_once(engine):
+    """generate_many streams a chunk shared by its prompts once: the metrics count its bytes once."""
+    shared = words(22, 2 * CHUNK)
+    prompts = [shared + " " + words(23 + i, 5) for i in range(3)]
+    engine.generate(prompts[0], max_new_tokens=2)
+    engine.metrics_recorder.reset()
+    results = engine.generate_many(prompts, max_new_tokens=2)
+    infos = [info for _, info in results]
+    assert all(i.bytes_fetched == infos[0].bytes_fetched > 0 for i in infos)  # each prompt reports the batch's figures
+    m = engine.metrics()
+    assert (m.requests, m.hits, m.tokens_reused) == (3, 3, 3 * 2 * CHUNK)
+    assert m.bytes_fetched == infos[0].bytes_fetched and m.decode_s == pytest.approx(infos[0].decode_s)
+
+
 def test_seconds_saved_is_reused_tokens_at_prefill_cost_less_fetch_and_decode():
     info = GenerationInfo(prompt_tokens=300, cached_tokens=256, recomputed_tokens=44, levels=[1, 1, "text", 1],
                           text_chunks=1, fetch_s=0.1, decode_s=0.2, ttft_s=0.5, bytes_fetched=1000)  # fmt: skip

@@ -276,11 +276,11 @@ class KVEngine:
         covered = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
                                      estimator=self.estimator, prefill=self._prefill)  # fmt: skip
         out = []
-        for ids, chunks, buffer, done, info in zip(all_ids, all_chunks, buffers, covered, infos):
+        for i, (ids, chunks, buffer, done, info) in enumerate(zip(all_ids, all_chunks, buffers, covered, infos)):
             text, _ = self._generate_ids(ids, buffer, done, start, info, generation_kwargs, streamer=streamer)
             self._store_new_chunks(chunks, done, buffer, info)
             info.total_s = time.perf_counter() - start
-            self.metrics_recorder.record(info, self)
+            self.metrics_recorder.record(info, self, fetch_counted=i > 0)
             out.append((text, info))
         return out
 
