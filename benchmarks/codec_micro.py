@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     add_data_option(ap)
-    ap.add_argument("--first", type=int, default=10, help="first transcript (0-9 are the profile's training set)")
+    ap.add_argument("--first", type=int, default=10, help="first transcript (0-9 fitted the profile and tuned the codec)")
     ap.add_argument("--contexts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=4608, help="context tokens per transcript")
     ap.add_argument("--chunk-tokens", type=int, default=1536)
@@ -50,15 +50,15 @@ def main(argv: list[str] | None = None) -> None:
     chunks: list[KVCache] = []
     for ids in transcript_ids(tok, texts, args.tokens):
         kv = context_kv(model, ids)
-        chunks += [kv.slice(s, s + args.chunk_tokens) for s in range(0, kv.num_tokens, args.chunk_tokens)]
+        chunks += [(s, kv.slice(s, s + args.chunk_tokens)) for s in range(0, kv.num_tokens, args.chunk_tokens)]
         if len(chunks) * args.chunk_tokens >= args.contexts * args.tokens:
             break
     for level in codec.levels:
         tot = {"bits": 0.0, "el": 0, "enc": 0.0, "dec": 0.0, "sek": 0.0, "sk": 0.0, "sev": 0.0, "sv": 0.0}
         breakdown: dict[str, float] = {}
-        for kv in chunks:
+        for start, kv in chunks:
             t0 = time.perf_counter()
-            blob, stats = codec.encode_with_stats(kv, level)
+            blob, stats = codec.encode_with_stats(kv, level, start=start)
             t1 = time.perf_counter()
             out = codec.decode(blob)
             t2 = time.perf_counter()
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             tot["sev"] += (out.values.float() - v).square().sum().item()
             tot["sv"] += v.square().sum().item()
             for key, val in stats.items():
-                if key.endswith("bits_per_element"):
+                if key.endswith("bits_per_element") or key == "payload_excess":
                     breakdown[key] = breakdown.get(key, 0.0) + val * kv.num_elements
         bpe = tot["bits"] / tot["el"]
         emit(

@@ -69,31 +69,19 @@ def laplace_freqs(scales: np.ndarray, centre: float, alphabet: int = 256) -> np.
 
 
 def synthetic_7b(tokens: int = 1536, seed: int = 0) -> tuple[np.ndarray, StreamLayout, np.ndarray]:
-    """Symbols, layout and tables of a 7B-shaped chunk laid out like ``KVCodec.prepare`` does."""
-    layers, channels, config = 32, 8 * 128, CodecConfig()
+    """Symbols, layout and tables of a 7B-shaped chunk laid out like ``KVCodec.prepare`` does
+    (substreams of whole tokens, every kind, layer and component; one table per component)."""
+    from cachegen_core.substreams import ChunkGeometry, stream_layout  # noqa: PLC0415
+    from cachegen_core.profile import TableLayout  # noqa: PLC0415
+
+    layers, heads, dim, config = 32, 8, 128, CodecConfig()
     rng = np.random.default_rng(seed)
-    block, group = config.tokens_per_stream(channels), config.group_size
-    # table (kind, layer, part, channel): anchors broad (8-bit min/max), deltas narrow, scales per channel
-    scale = np.empty((2, layers, 2, channels))
-    scale[:, :, 0] = 24 * np.exp(0.3 * rng.standard_normal((2, layers, channels)))
-    scale[:, :, 1] = 1.2 * np.exp(0.5 * rng.standard_normal((2, layers, channels)))
-    centre = np.array([128.0, 128.0])
-    freqs = np.concatenate([laplace_freqs(scale[:, :, p].ravel(), centre[p]) for p in range(2)])  # part-major
-    table = lambda kind, layer, part: part * (2 * layers * channels) + (kind * layers + layer) * channels  # noqa: E731
-    pieces, counts, tids = [], [], []
-    for kind in range(2):
-        for layer in range(layers):
-            for start in range(0, tokens, block):
-                n_tok = min(tokens, start + block) - start
-                n_anchor = -(-n_tok // group)
-                for part, rows in ((0, n_anchor), (1, n_tok - n_anchor)):
-                    s = scale[kind, layer, part]
-                    x = np.rint(rng.laplace(centre[part], s, (rows, channels))).clip(0, 255).astype(np.uint8)
-                    pieces.append(x.ravel())
-                    counts.append(x.size)
-                    tids.append(table(kind, layer, part) + np.arange(channels))
-    layout = StreamLayout(np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), np.array(tids, dtype=np.int32))
-    return np.concatenate(pieces), layout, freqs
+    geo = ChunkGeometry.of(layers, heads, dim, tokens, config.tokens_per_stream(2 * layers * heads * dim))
+    scale = 1.2 * np.exp(0.8 * rng.standard_normal(geo.period))  # components of very different spread
+    freqs = laplace_freqs(scale, 128.0)
+    x = np.rint(rng.laplace(128.0, scale, (tokens, geo.period))).clip(1, 255).astype(np.uint8)
+    layout = stream_layout(geo, 0, TableLayout(layers, heads * dim, 1))
+    return x.ravel(), layout, freqs
 
 
 def real_chunks(

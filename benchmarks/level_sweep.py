@@ -1,13 +1,13 @@
 """How far can the delta step go? Coarser levels than the codec ships, measured like quality_size.
 
-    python -m benchmarks.level_sweep [--extra "0.72,0.9,1.08" "0.96,1.2,1.44" ...] [--eval-first 10 --eval-last 13]
+    python -m benchmarks.level_sweep [--extra 0.5 0.8 ...] [--eval-first 6 --eval-last 10]
 
-Builds a codec configuration with the default levels plus ``--extra`` ones (delta step per
-layer group, in units of the layer's delta RMS), fits a profile for it on the first
-``--train-tokens`` tokens of transcripts ``--train-first``..``--train-last`` (never the
-evaluated ones), and scores every level on ``--context`` tokens of the evaluated transcripts
-(the next 256 teacher-forced): bits per element, perplexity change and top-1 agreement
-against the fp16 KV. One JSON line per level.
+Builds a codec configuration with the default levels plus ``--extra`` coarser steps, fits a
+profile for it on the first ``--train-tokens`` tokens of transcripts
+``--train-first``..``--train-last`` (the transform: covariance and Fisher of the same
+transcripts), and scores every level on ``--context`` tokens of the evaluated transcripts (the
+next 256 teacher-forced): bits per element, perplexity change and top-1 agreement against the
+fp16 KV. One JSON line per level. Defaults stay inside the tuning transcripts 0-9.
 """
 
 from __future__ import annotations
@@ -25,26 +25,33 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     add_data_option(ap)
-    ap.add_argument("--extra", nargs="*", default=["0.72,0.9,1.08", "0.96,1.2,1.44", "1.44,1.8,2.16"])
+    ap.add_argument("--extra", nargs="*", type=float, default=[0.5, 0.8])
     ap.add_argument("--train-first", type=int, default=0)
     ap.add_argument("--train-last", type=int, default=3)
-    ap.add_argument("--train-tokens", type=int, default=3072)
-    ap.add_argument("--eval-first", type=int, default=10)
-    ap.add_argument("--eval-last", type=int, default=13)
+    ap.add_argument("--train-tokens", type=int, default=4352)
+    ap.add_argument("--eval-first", type=int, default=6)
+    ap.add_argument("--eval-last", type=int, default=10)
     ap.add_argument("--context", type=int, default=1536)
     args = ap.parse_args(argv)
     setup_threads()
 
     from cachegen_core.codec import KVCodec  # noqa: PLC0415
     from cachegen_core.config import DEFAULT_LEVELS, CodecConfig  # noqa: PLC0415
+    from cachegen_core.kvstats import kv_statistics  # noqa: PLC0415
     from cachegen_core.profile import Profile  # noqa: PLC0415
+    from cachegen_core.rotary import RotarySpec  # noqa: PLC0415
+    from cachegen_core.transform import fit_transform  # noqa: PLC0415
 
-    levels = DEFAULT_LEVELS + tuple(tuple(float(x) for x in e.split(",")) for e in args.extra)
+    levels = DEFAULT_LEVELS + tuple(args.extra)
     config = CodecConfig(levels=levels)
     model, tok = load(args.model)
+    rotary = RotarySpec.from_model(model)
     records = read_jsonl(args.data)
-    train = (context_kv(model, tok(r["prompt"])["input_ids"][: args.train_tokens]) for r in records[args.train_first : args.train_last])
-    codec = KVCodec(config, Profile.fit(config, train))
+    ids = [tok(r["prompt"])["input_ids"][: args.train_tokens] for r in records[args.train_first : args.train_last]]
+    stats = kv_statistics(model, ids, rotary=rotary, contexts=(1536, 4096))
+    transform = fit_transform(stats.covariance, stats.fisher, config.fisher_eps)
+    train = (context_kv(model, x) for x in ids)
+    codec = KVCodec(config, Profile.fit(config, train, transform=transform, rotary=rotary))
     tally = {lv: [0, 0, 0.0, 0.0, 0, 0] for lv in range(config.n_levels)}  # bytes, elements, nll, ref nll, agree, count
     for r in records[args.eval_first : args.eval_last]:
         ids = tok(r["prompt"])["input_ids"]
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             t[4] += int((top == ref_top).sum())
             t[5] += n
     for lv, (nbytes, elements, nll, ref, agree, count) in tally.items():
-        emit({"level": lv, "steps": list(levels[lv]), "shipped": lv < len(DEFAULT_LEVELS), "context_tokens": args.context,
+        emit({"level": lv, "step": levels[lv], "shipped": lv < len(DEFAULT_LEVELS), "context_tokens": args.context,
               "n_contexts": args.eval_last - args.eval_first, "bits_per_element": round(8 * nbytes / elements, 4),
               "ppl_rel_delta": round(math.exp((nll - ref) / count) - 1, 5), "top1_agreement": round(agree / count, 5)})  # fmt: skip
 

@@ -316,7 +316,7 @@ def scenario_other_codec_blob(bench: Bench, n: int = 3) -> dict[str, Any]:
             eng = bench.engine(MemoryStore())
             eng.generate(text, max_new_tokens=1)
             kv = eng.calculate_kv(text)
-            cfg = CodecConfig(group_size=5) if i % 2 == 0 else CodecConfig()
+            cfg = CodecConfig(sink_tokens=4) if i % 2 == 0 else CodecConfig()
             prof = None if i % 2 == 0 else Profile.fit(cfg, [kv], chunk_tokens=CHUNK, model_fingerprint=eng.fingerprint)
             other = KVCodec(cfg, prof, fingerprint=eng.fingerprint)  # same model, other codec or profile
             plant(eng, text, lambda j, _, o=other, kv=kv: o.encode(kv.slice(j * CHUNK, (j + 1) * CHUNK), 0), range(3))

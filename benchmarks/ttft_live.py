@@ -58,7 +58,7 @@ def unpack_fp16(blob: bytes, shape: tuple[int, int, int, int]) -> KVCache:
 
 
 def pack_uniform8(kv: KVCache) -> bytes:
-    """Per-token asymmetric 8-bit (``benchmarks.baselines.uniform``): uint8 codes, then fp16 zero and scale per (layer, token)."""
+    """Per-token asymmetric 8-bit (``benchmarks.baselines.uniform_per_token``): uint8 codes, then fp16 zero and scale per (layer, token)."""
     out = []
     for x in (kv.keys, kv.values):
         layers, heads, tokens, dim = x.shape

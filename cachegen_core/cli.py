@@ -3,7 +3,7 @@
     cachegen inspect BLOB
     cachegen model prepare [NAME]      convert the bundled reference model (or a .gguf) once; print its dir
     cachegen model path [NAME]         print its dir without converting (exit 1: not prepared yet)
-    cachegen profile --model MODEL --texts FILE.jsonl [--field prompt] [--out PATH]
+    cachegen profile --model MODEL --texts FILE.jsonl [--field prompt] [--stat-texts N] [--out PATH]
     cachegen stats [STORE] [--namespace NS] [--no-headers]
     cachegen gc [STORE] [--older-than 7d] [--max-bytes 5G] [--model FP] [--orphans] [--dry-run]
 
@@ -73,8 +73,11 @@ def _profile(args: argparse.Namespace) -> int:
     from .config import CodecConfig  # noqa: PLC0415
     from .fingerprint import model_fingerprint  # noqa: PLC0415
     from .kv import KVCache  # noqa: PLC0415
+    from .kvstats import kv_statistics  # noqa: PLC0415
     from .models import load_model  # noqa: PLC0415
     from .profile import Profile, default_profile_path  # noqa: PLC0415
+    from .rotary import RotarySpec  # noqa: PLC0415
+    from .transform import fit_transform  # noqa: PLC0415
 
     model, tok = load_model(args.model)
     texts = []
@@ -88,19 +91,37 @@ def _profile(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or min(getattr(model.config, "max_position_embeddings", 8192), 8192)
     fp = model_fingerprint(model, tok)
     config = CodecConfig()
+    rotary = RotarySpec.from_model(model)
+    ids = [tok(text)["input_ids"][:max_tokens] for text in texts]
+    transform = None
+    if config.transform != "none":
+        contexts = tuple(c for c in (args.chunk_tokens, 4096) if c < max_tokens) or (max_tokens // 2,)
+        stats = kv_statistics(
+            model,
+            tqdm(ids[: args.stat_texts], desc="statistics", unit="text", file=sys.stderr),
+            rotary=rotary,
+            contexts=contexts,
+            continuation=min(256, max_tokens - max(contexts)),
+            chunk_tokens=args.chunk_tokens,
+            sink_tokens=config.sink_tokens,
+        )
+        fisher = stats.fisher if config.transform == "fisher-klt" else None
+        transform = fit_transform(stats.covariance, fisher, config.fisher_eps)
 
     def caches():
-        for text in tqdm(texts, desc="profiling", unit="text", file=sys.stderr):
-            ids = tok(text)["input_ids"][:max_tokens]
+        for x in tqdm(ids, desc="tables", unit="text", file=sys.stderr):
             with torch.no_grad():
-                out = model(torch.tensor([ids]), use_cache=True)
+                out = model(torch.tensor([x]), use_cache=True)
             yield KVCache.from_dynamic_cache(out.past_key_values)
 
-    profile = Profile.fit(config, caches(), chunk_tokens=args.chunk_tokens, model_fingerprint=fp)
+    profile = Profile.fit(
+        config, caches(), transform=transform, rotary=rotary, chunk_tokens=args.chunk_tokens, model_fingerprint=fp
+    )
     out = Path(args.out) if args.out else default_profile_path(fp, config)
     profile.save(out)
     print(json.dumps({"profile": str(out), "profile_id": profile.id, "tables": int(profile.freqs.shape[0]),
-                      "chunks": profile.meta["n_chunks"], "bytes": out.stat().st_size}))
+                      "chunks": profile.meta["n_chunks"], "transform": config.transform if transform is not None else "none",
+                      "rotary": rotary.id if rotary else None, "bytes": out.stat().st_size}))  # fmt: skip
     return 0
 
 
@@ -131,6 +152,8 @@ def _register_profile(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.add_argument("--last", type=int, default=10, help="one past the last record used")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per text (default: the model's context, max 8192)")
     p.add_argument("--chunk-tokens", type=int, default=1536)
+    p.add_argument("--stat-texts", type=int, default=4,
+                   help="texts (the first ones) whose covariance and Fisher fit the codec's transform")  # fmt: skip
     p.add_argument("--out", default=None, help="default: beside the model in the user cache, found by fingerprint")
     p.set_defaults(func=_profile)
 

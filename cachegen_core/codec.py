@@ -1,15 +1,16 @@
 """KVCodec: ``encode(KVCache, level) -> bytes`` and ``decode(bytes) -> KVCache``.
 
-A blob holds one chunk of a context's KV at one level: quantised anchors and deltas
-(``quantize.py``), range-coded in independent substreams (``coders/``) with the
-tables of a ``Profile`` (or, without one, tables measured on the chunk and stored in
-the blob), inside the checksummed container of ``format.py``. How symbols are cut
-into substreams and which table codes each: ``substreams.py``.
+A blob holds one chunk of a context's KV at one level: exact sink tokens and quantised
+transform components (``pipeline.py``), range-coded in independent substreams
+(``coders/``) with the tables of a ``Profile`` (or, without one, tables measured on the
+chunk and stored in the blob), inside the checksummed container of ``format.py``. How
+symbols are cut into substreams and which table codes each: ``substreams.py``.
+Keys are coded before the rotary embedding when the codec knows it (``rotary.py``), so a
+blob decodes at its own positions or, on request, at any others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -21,61 +22,14 @@ from .coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, defa
 from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
-from .kv import KVCache, KVShapeError, merge_heads, split_heads
+from .kv import KVCache, KVShapeError
+from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name
+from .pipeline import components, exact_tokens, quantise, synthesise
 from .profile import Profile, TableLayout
-from .quantize import ALPHABET, DELTA_OFFSET, DELTA_RADIUS, Quantized, from_bf16_bits, to_bf16_bits
+from .quantize import ALPHABET, OFFSET, RADIUS, dequantize, from_bf16_bits
+from .rotary import RotarySpec
 from .substreams import ChunkGeometry, flatten_symbols, inline_tables, n_inline_tables, stream_layout, unflatten_symbols
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_MAX_DIM = 1 << 14
-#: A blob may decode to at most this many KV elements per byte (0.004 bits per element).
-MAX_ELEMENTS_PER_BYTE = 2048
-#: The per-(kind, layer, channel) quantisation parameters, each a section of raw bfloat16 bits.
-_PARAMS = ("anchor_min", "anchor_step", "delta_step")
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A chunk quantised and laid out for the entropy coder."""
-
-    level: int
-    shape: list[int]
-    dtype: str
-    geometry: ChunkGeometry
-    symbols: np.ndarray
-    layout: StreamLayout
-    freqs: np.ndarray
-    sections: dict[str, np.ndarray]
-
-
-@dataclass(frozen=True)
-class BlobHeader:
-    """A blob's header once checked against a codec (``KVCodec.check_header``): what decoding needs."""
-
-    level: int
-    shape: tuple[int, int, int, int]  # (layers, kv_heads, tokens, head_dim)
-    dtype: torch.dtype  # of the KV that was encoded, and is decoded
-    tables: str  # "inline" (in the blob) or "profile"
-    coder: str  # the coder (byte format) of the substreams
-    profile_id: str | None
-    model_fingerprint: str
-
-    @property
-    def channels(self) -> int:
-        return self.shape[1] * self.shape[3]
-
-
-@dataclass(frozen=True)
-class Checked:
-    """A blob whose container and header ``KVCodec.check`` verified: ``decode`` takes it as it is."""
-
-    blob: bytes
-    header: BlobHeader
-    container: Container
-
-    def __len__(self) -> int:
-        return len(self.blob)
-
+from .transform import Transform, identity_transform
 
 class KVCodec:
     """Encode and decode KV chunks; one instance per (model, codec configuration, profile).
@@ -88,6 +42,9 @@ class KVCodec:
     dequantised there by torch. A device whose decoder cannot run here raises
     ``BackendUnavailable`` (at construction for ``coder``'s format, at decode for a
     blob's); it is never silently replaced by another.
+    ``rotary``: the model's rotary embedding (``RotarySpec.from_model(model)``); keys are
+    then coded before it. Defaults to the profile's; a profile fitted with another one
+    (or without) is refused. Without either, keys are coded as they are.
     """
 
     def __init__(
@@ -100,18 +57,25 @@ class KVCodec:
         limits: Limits = Limits(),
         max_tokens: int = 1 << 17,
         device: str | torch.device | None = None,
+        rotary: RotarySpec | None = None,
     ) -> None:
         self.config = config or CodecConfig()
         if profile is not None and profile.codec_id != self.config.codec_id:
             raise ValueError(
                 f"profile was fitted for codec {profile.codec_id}, not {self.config.codec_id}; refit it with this config"
             )
+        if profile is not None:
+            if rotary is not None and (profile.rotary is None or profile.rotary.id != rotary.id):
+                raise ValueError("profile was fitted with another rotary embedding (or keys as they are); refit it for this model")
+            rotary = profile.rotary
         self.profile = profile
+        self.rotary = rotary
         self.coder = coder or default_coder()
         self.fingerprint = fingerprint
         self.limits = limits
         self.max_tokens = max_tokens
         self.device = torch.device("cpu" if device is None else device)
+        self._transforms: dict[tuple[int, int, int], Transform] = {}
         if self.device.type != "cpu":  # fail now, not at the first blob
             try:
                 get_decoder(self.coder.name, self.device)
@@ -135,39 +99,64 @@ class KVCodec:
     def _tables(self) -> TableLayout | None:
         return self.profile.layout if self.profile is not None else None
 
+    @property
+    def _fitted(self) -> bool:
+        return self.profile is not None and self.profile.transform is not None
+
+    def _transform(self, layers: int, heads: int, dim: int) -> Transform:
+        if self._fitted:
+            return self.profile.transform  # type: ignore[union-attr,return-value]
+        key = (layers, heads, dim)
+        if key not in self._transforms:
+            self._transforms[key] = identity_transform(layers, heads, dim)
+        return self._transforms[key]
+
+    def _geometry(self, layers: int, heads: int, tokens: int, dim: int, start: int) -> ChunkGeometry:
+        coded = tokens - exact_tokens(start, tokens, self.config.sink_tokens)
+        return ChunkGeometry.of(layers, heads, dim, coded, self.config.tokens_per_stream(2 * layers * heads * dim))
+
     # ---------------------------------------------------------------- encoding
-    def encode(self, kv: KVCache, level: int | None = None) -> bytes:
-        """Compress ``kv`` (one chunk, any token count >= 1) at ``level`` into a blob."""
-        p = self.prepare(kv, level)
+    def encode(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> bytes:
+        """Compress ``kv`` (one chunk, any token count >= 1) at ``level`` into a blob.
+
+        ``start``: context position of the chunk's first token (its keys were rotated for
+        positions ``start ..``); tokens below ``config.sink_tokens`` are kept exactly.
+        """
+        p = self.prepare(kv, level, start=start)
         return self._pack(p, self.coder.encode(p.symbols, p.layout, p.freqs))
 
-    def prepare(self, kv: KVCache, level: int | None = None) -> "Prepared":
+    def prepare(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> Prepared:
         """Quantise ``kv`` and lay out its symbols for the coder (everything ``encode`` does but coding)."""
         level = self.config.default_level if level is None else level
         if level not in self.levels:
             raise ValueError(f"level {level} not in {self.levels}")
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= MAX_START:
+            raise ValueError(f"start must be an integer in [0, {MAX_START}]")
         self._check_kv(kv)
         layers, heads, tokens, dim = kv.shape
-        qs = [self.config.quantize(merge_heads(x), level, kind) for kind, x in enumerate((kv.keys, kv.values))]
-        geo = ChunkGeometry.of(layers, tokens, heads * dim, self.config)
-        symbols = flatten_symbols(qs, geo)
+        comp = components(kv, self._transform(layers, heads, dim), start=start, sink_tokens=self.config.sink_tokens, rotary=self.rotary)
+        coded = quantise(comp, self.config.level_step(level), fitted=self._fitted, step_cap=self.config.step_cap)
+        geo = self._geometry(layers, heads, tokens, dim, start)
+        symbols = flatten_symbols(coded.symbols)
         layout = stream_layout(geo, level, self._tables)
-        sections = {name: _bits(qs, name) for name in _PARAMS}
+        sections = {"mean": bf16_section(coded.mean), "step": bf16_section(coded.step)}
+        if coded.exact.shape[3]:
+            sections["exact"] = coded.exact.contiguous().numpy().astype(np.float32)
         if self.profile is None:
-            freqs = inline_tables(symbols, layout, geo)
+            freqs = inline_tables(symbols, geo)
             sections["tables"] = freqs.astype(np.uint16)
         else:
             freqs = self.profile.freqs
-        return Prepared(level, list(kv.shape), _dtype_name(kv.dtype), geo, symbols, layout, freqs, sections)
+        return Prepared(level, start, list(kv.shape), dtype_name(kv.dtype), geo, coded, symbols, layout, freqs, sections)
 
-    def encode_with_stats(self, kv: KVCache, level: int | None = None) -> tuple[bytes, dict[str, Any]]:
-        """``encode`` plus where the bits went: coded and ideal bits per stream group."""
-        p = self.prepare(kv, level)
+    def encode_with_stats(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> tuple[bytes, dict[str, Any]]:
+        """``encode`` plus where the bits went: coded and ideal bits, by kind and layer third."""
+        p = self.prepare(kv, level, start=start)
         payloads = self.coder.encode(p.symbols, p.layout, p.freqs)
         blob = self._pack(p, payloads)
-        return blob, encode_stats(len(blob), payloads, p.symbols, p.layout, p.freqs, p.geometry)
+        return blob, encode_stats(len(blob), payloads, p.symbols, p.layout, p.freqs, p.geometry, p.sections)
 
-    def _pack(self, p: "Prepared", payloads: list[bytes]) -> bytes:
+    def _pack(self, p: Prepared, payloads: list[bytes]) -> bytes:
         header = {
             "codec": "cachegen",
             "codec_id": self.codec_id,
@@ -179,6 +168,8 @@ class KVCodec:
             "shape": p.shape,
             "dtype": p.dtype,
             "tables": "inline" if self.profile is None else "profile",
+            "start": p.start,
+            "rotary": self.rotary.id if self.rotary is not None else None,
         }
         return pack(header, p.sections, payloads)
 
@@ -187,21 +178,23 @@ class KVCodec:
             raise KVShapeError("cannot encode an empty KV cache (0 tokens)")
         if kv.num_tokens > self.max_tokens:
             raise KVShapeError(f"chunk of {kv.num_tokens} tokens exceeds max_tokens={self.max_tokens}")
-        if _dtype_name(kv.dtype) not in DTYPES:
+        if dtype_name(kv.dtype) not in DTYPES:
             raise KVShapeError(f"unsupported KV dtype {kv.dtype}")
         if not torch.isfinite(kv.keys).all() or not torch.isfinite(kv.values).all():
             raise KVShapeError("KV cache contains NaN or infinite values")
+        if self.rotary is not None and kv.head_dim != self.rotary.head_dim:
+            raise KVShapeError(f"KV head_dim {kv.head_dim} does not match the rotary embedding's {self.rotary.head_dim}")
         if self.profile is not None:
             m = self.profile.meta
-            if (kv.num_layers, kv.num_kv_heads * kv.head_dim) != (m["num_layers"], m["channels"]):
+            if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (m["num_layers"], m["kv_heads"], m["head_dim"]):
                 raise KVShapeError(
                     f"KV of shape {kv.shape} does not match the profile's model "
-                    f"({m['num_layers']} layers, {m['channels']} channels)"
+                    f"({m['num_layers']} layers, {m['kv_heads']} KV heads of {m['head_dim']})"
                 )
 
     # ---------------------------------------------------------------- decoding
     def decode(self, blob: bytes | Checked, level: int | None = None, *, device: str | torch.device | None = None,
-               out: KVCache | None = None) -> KVCache:  # fmt: skip
+               out: KVCache | None = None, start: int | None = None) -> KVCache:  # fmt: skip
         """Rebuild the KV of a blob; any defect or mismatch raises ``CacheGenFormatError``.
 
         ``level``: when given, the level the blob must be at (a blob stored under another
@@ -209,7 +202,9 @@ class KVCodec:
         codec's ``device`` (``BackendUnavailable`` when the blob's coder cannot decode there).
         ``out``: the tensors to write into (of the blob's shape; e.g. a slice of a prompt's
         preallocated KV, in the model's dtype), returned; on the CPU with the native coder
-        the substreams are then decoded and dequantised straight into it (``fused.py``).
+        the substreams are then decoded and dequantised by native threads (``fused.py``).
+        ``start``: context position to give the first token, default the one it was encoded
+        at; another one re-rotates the keys (only with a rotary embedding).
         """
         checked = blob if isinstance(blob, Checked) else self.check(blob, level)
         if level is not None and checked.header.level != level:
@@ -217,7 +212,13 @@ class KVCodec:
         blob, h, c = checked.blob, checked.header, checked.container
         if out is not None and out.shape != h.shape:
             raise CacheGenFormatError(f"blob holds KV of shape {list(h.shape)}, the model's chunk is {list(out.shape)}")
-        return self._reconstruct(h, c, self.device if device is None else torch.device(device), blob, out)
+        if start is not None and start != h.start:
+            if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= MAX_START:
+                raise ValueError(f"start must be an integer in [0, {MAX_START}]")
+            if self.rotary is None:
+                raise ValueError("decoding at another position needs the model's rotary embedding (KVCodec(rotary=...))")
+        dev = self.device if device is None else torch.device(device)
+        return self._reconstruct(h, c, dev, blob, out, h.start if start is None else start)
 
     def check(self, blob: bytes, level: int | None = None) -> Checked:
         """Verify a blob's container (every checksum) and header without decoding it: the cheap half of
@@ -245,6 +246,12 @@ class KVCodec:
                 raise CacheGenFormatError(f"blob needs profile {h.get('profile_id')!r}, this codec has {self.profile_id!r}")
         elif tables != "inline" or h.get("profile_id") is not None:
             raise CacheGenFormatError(f"bad table source {tables!r}")
+        rotary = self.rotary.id if self.rotary is not None else None
+        if h.get("rotary") != rotary:
+            raise CacheGenFormatError(f"blob's keys were coded with rotary embedding {h.get('rotary')!r}, this codec has {rotary!r}")
+        start = h.get("start")
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= MAX_START:
+            raise CacheGenFormatError(f"bad start position {start!r}")
         blob_level = h.get("level")
         if blob_level not in self.levels or isinstance(blob_level, bool):
             raise CacheGenFormatError(f"bad level {blob_level!r}")
@@ -254,7 +261,7 @@ class KVCodec:
         if (
             not isinstance(shape, list)
             or len(shape) != 4
-            or any(not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= _MAX_DIM for d in shape[:2] + shape[3:])
+            or any(not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= MAX_DIM for d in shape[:2] + shape[3:])
             or not isinstance(shape[2], int)
             or isinstance(shape[2], bool)
             or not 1 <= shape[2] <= self.max_tokens
@@ -267,9 +274,11 @@ class KVCodec:
         # rANS can spend almost no bits on a near-certain symbol: bound what a blob may expand to.
         if elements > self.limits.max_section_elements or elements > MAX_ELEMENTS_PER_BYTE * blob_bytes:
             raise CacheGenFormatError(f"shape {shape} claims {elements} elements, too many for a blob of {blob_bytes} bytes")
+        if self.rotary is not None and dim != self.rotary.head_dim:
+            raise CacheGenFormatError("blob head_dim does not match the rotary embedding")
         if tables == "profile":
             m = self.profile.meta  # type: ignore[union-attr]
-            if (layers, heads * dim) != (m["num_layers"], m["channels"]):
+            if (layers, heads, dim) != (m["num_layers"], m["kv_heads"], m["head_dim"]):
                 raise CacheGenFormatError("blob shape does not match the profile's model")
         return BlobHeader(
             level=blob_level,
@@ -279,58 +288,66 @@ class KVCodec:
             coder=h["coder"],
             profile_id=h.get("profile_id"),
             model_fingerprint=h["model_fingerprint"],
+            start=start,
         )
 
-    def _reconstruct(self, h: BlobHeader, c: Container, device: torch.device, blob: bytes, out: KVCache | None) -> KVCache:
+    def _reconstruct(self, h: BlobHeader, c: Container, device: torch.device, blob: bytes | memoryview,
+                     out: KVCache | None, start: int) -> KVCache:  # fmt: skip
         """The KV of a blob whose header passed ``check_header``: check its sections and substreams,
-        decode them on ``device`` and dequantise there (into ``out`` when given)."""
+        decode them on ``device`` and rebuild the KV there (into ``out`` when given), keys at
+        positions from ``start``."""
         layers, heads, tokens, dim = h.shape
-        geo = ChunkGeometry.of(layers, tokens, h.channels, self.config)
+        geo = self._geometry(layers, heads, tokens, dim, h.start)
         if len(c.streams) != geo.n_streams:
             raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {list(h.shape)} needs {geo.n_streams}")
-        params, freqs = self._side_info(h, c)
+        mean, step, exact, freqs = self._side_info(h, c, geo)
         layout = stream_layout(geo, h.level, self._tables)
-        target = out if out is not None else None
-        if device.type == "cpu" and self.config.delta_scale in ("layer", "channel"):
-            target = out if out is not None else KVCache(torch.empty(h.shape, dtype=h.dtype), torch.empty(h.shape, dtype=h.dtype))
-            if fused.supports(h.coder, target):
-                fused.check_bound(params, 256 if self.config.anchor_offset == 0 else DELTA_RADIUS + 1, target.dtype)
-                layout.validate(freqs.shape[0])
-                fused.decode_into(blob, [len(p) for p in c.streams], layout.offsets, layout.table_ids, freqs, geo, params,
-                                  head_dim=dim, group_size=self.config.group_size, anchor_offset=self.config.anchor_offset,
-                                  min_anchor_symbol=0 if self.config.anchor_offset == 0 else DELTA_OFFSET - DELTA_RADIUS,
-                                  out=target)  # fmt: skip
-                return target
-        kv = self._reconstruct_torch(h, geo, params, freqs, layout, c, device)
-        if out is None:
-            return kv
-        out.keys.copy_(kv.keys)
-        out.values.copy_(kv.values)
-        return out
+        native = device.type == "cpu" and fused.supports(h.coder)
+        if native:
+            layout.validate(freqs.shape[0])
+            comps = fused.decode_components(blob, [len(p) for p in c.streams], layout.offsets, layout.table_ids, freqs,
+                                            geo, step)  # fmt: skip
+        else:
+            comps = self._components_torch(h, geo, step, freqs, layout, c, device)
+        return self._synthesise(h, comps, mean.to(comps.device), exact.to(comps.device), start, out)
 
-    def _reconstruct_torch(self, h: BlobHeader, geo: ChunkGeometry, params: dict[str, torch.Tensor], freqs: np.ndarray,
-                           layout: StreamLayout, c: Container, device: torch.device) -> KVCache:  # fmt: skip
-        """Decode the symbols with the blob's coder on ``device`` and dequantise them with torch there."""
-        heads, tokens = h.shape[1], h.shape[2]
+    def _components_torch(self, h: BlobHeader, geo: ChunkGeometry, step: torch.Tensor, freqs: np.ndarray,
+                          layout: StreamLayout, c: Container, device: torch.device) -> torch.Tensor:  # fmt: skip
+        """Decode the symbols with the blob's coder on ``device`` and dequantise them with torch there:
+        float32 components ``(2, layers, heads, coded_tokens, dim)``."""
         decoder = self._decoder(h.coder, device)
         try:
-            symbols = decoder.decode_symbols(c.streams, layout, freqs)
+            flat = decoder.decode_symbols(c.streams, layout, freqs)
         except CoderError:
             raise
         except Exception as e:  # a coder must never leak another exception type
             raise CoderError(f"coder {decoder.name} failed: {e}") from e
-        dev = symbols.device
-        out = []
-        low_anchor = 0 if self.config.anchor_offset == 0 else DELTA_OFFSET - DELTA_RADIUS
-        for kind, (anchors, deltas) in enumerate(unflatten_symbols(symbols, geo)):
-            if (deltas.numel() and int(deltas.min()) < DELTA_OFFSET - DELTA_RADIUS) or int(anchors.min()) < low_anchor:
-                raise CacheGenFormatError("symbol out of range")
-            q = Quantized(anchors, deltas, *(params[name][kind].to(dev) for name in _PARAMS), self.config.anchor_offset)
-            x = split_heads(self.config.dequantize(q, tokens), heads).to(h.dtype).contiguous()
+        if flat.numel() and int(flat.min()) < OFFSET - RADIUS:
+            raise CacheGenFormatError("symbol out of range")
+        symbols = unflatten_symbols(flat, geo)
+        return torch.stack([dequantize(symbols[kind], step[kind].to(flat.device)) for kind in range(2)])
+
+    def _synthesise(self, h: BlobHeader, comps: torch.Tensor, mean: torch.Tensor, exact: torch.Tensor, start: int,
+                    out: KVCache | None) -> KVCache:  # fmt: skip
+        """Components to KV in the blob's dtype (``pipeline.synthesise``), checked finite, written into ``out`` when given."""
+        layers, heads, _, dim = h.shape
+        keys, values = synthesise(comps, mean, exact, self._transform(layers, heads, dim), start=start,
+                                  encoded_start=h.start, rotary=self.rotary)  # fmt: skip
+        dtype = h.dtype if out is None else out.dtype
+        res = []
+        for x in (keys, values):
+            x = x.to(h.dtype)  # the blob's dtype first: what decoding without ``out`` returns
             if not torch.isfinite(x).all():  # checked in the blob's dtype: float16 overflows past 65504
                 raise CacheGenFormatError("decoded KV is not finite")
-            out.append(x)
-        return KVCache(out[0], out[1])
+            x = x.to(dtype)
+            if out is not None and not torch.isfinite(x).all():
+                raise CacheGenFormatError(f"decoded KV is beyond {dtype}'s range")
+            res.append(x.contiguous())
+        if out is None:
+            return KVCache(res[0], res[1])
+        out.keys.copy_(res[0])
+        out.values.copy_(res[1])
+        return out
 
     @staticmethod
     def _decoder(coder: str, device: torch.device) -> SymbolDecoder:
@@ -340,28 +357,28 @@ class KVCodec:
         except KeyError:
             raise CacheGenFormatError(f"blob was written by coder {coder!r}, not available here") from None
 
-    def _side_info(self, h: BlobHeader, c: Container) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-        """The checked quantisation parameters (float32 ``(2, layers, channels)`` each) and the frequency tables."""
-        layers, channels = h.shape[0], h.channels
-        expected = {name: (2, layers, channels) for name in _PARAMS}
+    def _side_info(
+        self, h: BlobHeader, c: Container, geo: ChunkGeometry
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+        """The checked chunk means and steps (float32 ``(2, layers, heads, dim)``), exact tokens
+        (float32 ``(2, layers, heads, n, dim)``) and the frequency tables."""
+        layers, heads, tokens, dim = h.shape
+        n_exact = tokens - geo.coded_tokens
+        expected = {"mean": ((2, layers, heads, dim), np.uint16), "step": ((2, layers, heads, dim), np.uint16)}
+        if n_exact:
+            expected["exact"] = ((2, layers, heads, n_exact, dim), np.float32)
         if h.tables == "inline":
-            expected["tables"] = (n_inline_tables(layers), ALPHABET)
-        got = {k: v.shape for k, v in c.sections.items()}
-        if got != expected or any(c.sections[k].dtype != np.uint16 for k in expected):
+            expected["tables"] = ((n_inline_tables(layers), ALPHABET), np.uint16)
+        got = {k: (v.shape, v.dtype) for k, v in c.sections.items()}
+        if set(got) != set(expected) or any(got[k][0] != shape or got[k][1] != dt for k, (shape, dt) in expected.items()):
             raise CacheGenFormatError(f"sections {got} do not match the expected {expected}")
-        params = {k: from_bf16_bits(torch.from_numpy(c.sections[k].astype(np.int32))) for k in _PARAMS}
-        if not all(torch.isfinite(v).all() for v in params.values()):
-            raise CacheGenFormatError("non-finite quantisation parameters")
-        if not ((params["anchor_step"] > 0).all() and (params["delta_step"] > 0).all()):
+        mean, step = (from_bf16_bits(torch.from_numpy(c.sections[k].astype(np.int32))) for k in ("mean", "step"))
+        exact = torch.from_numpy(c.sections["exact"]) if n_exact else torch.zeros(2, layers, heads, 0, dim)
+        if not (torch.isfinite(mean).all() and torch.isfinite(step).all() and torch.isfinite(exact).all()):
+            raise CacheGenFormatError("non-finite quantisation parameters or exact tokens")
+        if not (step > 0).all():
             raise CacheGenFormatError("quantisation steps must be positive")
         freqs = c.sections["tables"].astype(np.uint32) if h.tables == "inline" else self.profile.freqs  # type: ignore[union-attr]
-        return params, freqs
+        return mean, step, exact, freqs
 
 
-# -------------------------------------------------------------------- helpers
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _bits(qs: list[Quantized], name: str) -> np.ndarray:
-    return torch.stack([to_bf16_bits(getattr(q, name)) for q in qs]).numpy().astype(np.uint16)

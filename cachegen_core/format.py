@@ -34,7 +34,9 @@ import numpy as np
 from .errors import CacheGenFormatError
 
 MAGIC = b"CGKV"
-VERSION = 1
+VERSION = 2
+#: Earlier versions and what replaced them, for the error a blob of one of them gets.
+_OLD_VERSIONS = {1: "codec v1 (anchor/delta token groups)"}
 _PREAMBLE = struct.Struct("<4sHHII")
 _STREAM_ENTRY = struct.Struct("<II")
 SECTION_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "int32": np.int32, "float32": np.float32}
@@ -96,6 +98,11 @@ def _read_header(mv: memoryview, limits: Limits) -> tuple[dict[str, Any], int]:
     magic, version, reserved, hlen, hcrc = _PREAMBLE.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CacheGenFormatError(f"bad magic {bytes(magic)!r}: not a CacheGen blob")
+    if version in _OLD_VERSIONS:
+        raise CacheGenFormatError(
+            f"blob is format version {version}, {_OLD_VERSIONS[version]}; this build reads version {VERSION} only: "
+            "re-encode the context"
+        )
     if version != VERSION:
         raise CacheGenFormatError(f"unsupported format version {version} (this build reads version {VERSION})")
     if reserved != 0:

@@ -1,11 +1,16 @@
 """How a chunk's symbols are cut into substreams, and which frequency table codes each symbol.
 
-For each kind (K, V), layer and block of ``config.tokens_per_stream(channels)`` tokens
-there are two substreams, the block's anchors then its deltas, each in token-major
-order, so symbol ``j`` of a substream belongs to channel ``j % channels``
-(``docs/format.md``). Tables: with a profile, one per channel (``profile.TableLayout``);
-inline, one per (kind, layer, anchors|deltas), measured on the chunk itself. Encoder and
-decoder build their ``StreamLayout`` here, the same way.
+The coded tokens of a chunk (all but the exact sink tokens) are cut into blocks of
+consecutive tokens, as even as possible and each of at least ``tokens_per_stream`` tokens
+(``CodecConfig``) unless the chunk is smaller; one substream per block. Inside a
+substream symbols are token-major, then kind (keys, values), layer and component
+(``head * dim + j``), so symbol ``j`` of any substream belongs to (kind, layer,
+component) number ``j mod (2 x layers x channels)``: the coder's period. Every substream
+is long enough for the rANS flush to stay a small fraction of it, whatever the rate of
+each layer (``docs/format.md``).
+
+Tables: with a profile, one per (level, kind, layer, component) (``TableLayout``);
+inline, one per (kind, layer), measured on the chunk itself.
 """
 
 from __future__ import annotations
@@ -16,97 +21,73 @@ import numpy as np
 import torch
 
 from .coders import StreamLayout
-from .config import CodecConfig
 from .profile import TableLayout, counts_to_freqs
-from .quantize import ALPHABET, Quantized
+from .quantize import ALPHABET
 
 
 @dataclass(frozen=True)
 class ChunkGeometry:
-    """Token blocks of a chunk and the resulting substream sizes."""
+    """Shape of a chunk's coded part and its cut into substreams."""
 
     layers: int
-    tokens: int
-    channels: int
-    anchors_per_block: tuple[int, ...]
-    deltas_per_block: tuple[int, ...]
+    heads: int
+    dim: int
+    coded_tokens: int
+    block_tokens: tuple[int, ...]
 
     @classmethod
-    def of(cls, layers: int, tokens: int, channels: int, config: CodecConfig) -> "ChunkGeometry":
-        a, d = [], []
-        block = config.tokens_per_stream(channels)
-        for start in range(0, tokens, block):
-            n = min(tokens, start + block) - start
-            na = -(-n // config.group_size)
-            a.append(na)
-            d.append(n - na)
-        return cls(layers, tokens, channels, tuple(a), tuple(d))
+    def of(cls, layers: int, heads: int, dim: int, coded_tokens: int, tokens_per_stream: int) -> "ChunkGeometry":
+        n = max(1, coded_tokens // max(tokens_per_stream, 1)) if coded_tokens else 0
+        base, extra = divmod(coded_tokens, n) if n else (0, 0)
+        return cls(layers, heads, dim, coded_tokens, tuple(base + (i < extra) for i in range(n)))
 
     @property
-    def elements(self) -> int:
-        """KV elements of the chunk, keys and values."""
-        return 2 * self.layers * self.tokens * self.channels
+    def channels(self) -> int:
+        return self.heads * self.dim
 
     @property
-    def streams_per_kl(self) -> int:
-        """Substreams per (kind, layer): anchors and deltas of every block."""
-        return 2 * len(self.anchors_per_block)
+    def period(self) -> int:
+        """Symbols per token: 2 x layers x channels."""
+        return 2 * self.layers * self.channels
 
     @property
     def n_streams(self) -> int:
-        return 2 * self.layers * self.streams_per_kl
+        return len(self.block_tokens)
 
-    def stream_sizes(self) -> np.ndarray:
-        """Symbols per substream, int64 ``(n_streams,)``, in substream order."""
-        per_kl = np.array([n for pair in zip(self.anchors_per_block, self.deltas_per_block) for n in pair], dtype=np.int64)
-        return np.tile(per_kl * self.channels, 2 * self.layers)
+    @property
+    def n_symbols(self) -> int:
+        return self.coded_tokens * self.period
 
 
 def n_inline_tables(layers: int) -> int:
-    """Tables a blob carries without a profile: one per (kind, layer, anchors|deltas)."""
-    return 4 * layers
+    """Tables a blob carries without a profile: one per (kind, layer)."""
+    return 2 * layers
 
 
 def stream_layout(geo: ChunkGeometry, level: int, tables: TableLayout | None) -> StreamLayout:
-    """Substream offsets and the table of every (substream, channel): per channel from a
-    profile's ``tables``, else (``None``) one inline table per (kind, layer, anchors|deltas)."""
-    offsets = np.concatenate([[0], np.cumsum(geo.stream_sizes())]).astype(np.int64)
-    nb = len(geo.anchors_per_block)
-    kinds, layers, _, parts = np.meshgrid(np.arange(2), np.arange(geo.layers), np.arange(nb), np.arange(2), indexing="ij")
-    kinds, layers, parts = kinds.ravel(), layers.ravel(), parts.ravel()
+    """Substream offsets and the table of every (substream, position in the period)."""
+    offsets = np.concatenate([[0], np.cumsum(np.array(geo.block_tokens, dtype=np.int64) * geo.period)]).astype(np.int64)
     if tables is None:
-        ids = (kinds * geo.layers + layers) * 2 + parts
-        return StreamLayout(offsets, np.repeat(ids[:, None], geo.channels, axis=1).astype(np.int32))
-    base = np.where(parts == 0, tables.anchor_base(kinds, layers), tables.delta_base(level, kinds, layers))
-    return StreamLayout(offsets, (base[:, None] + np.arange(geo.channels)[None, :]).astype(np.int32))
+        row = np.repeat(np.arange(2 * geo.layers, dtype=np.int32), geo.channels)
+    else:
+        row = (tables.level_base(level) + np.arange(geo.period)).astype(np.int32)
+    return StreamLayout(offsets, np.ascontiguousarray(np.broadcast_to(row, (geo.n_streams, geo.period))))
 
 
-def flatten_symbols(qs: list[Quantized], geo: ChunkGeometry) -> np.ndarray:
-    """Symbols of both kinds in substream order (kind, layer, block, anchors|deltas), token-major."""
-    anchors = torch.stack([q.anchors for q in qs])  # (2, L, nA, C)
-    deltas = torch.stack([q.deltas for q in qs])  # (2, L, nD, C)
-    parts = []
-    a0 = d0 = 0
-    for na, nd in zip(geo.anchors_per_block, geo.deltas_per_block):
-        parts.append(anchors[:, :, a0 : a0 + na].reshape(2, geo.layers, -1))
-        parts.append(deltas[:, :, d0 : d0 + nd].reshape(2, geo.layers, -1))
-        a0, d0 = a0 + na, d0 + nd
-    return torch.cat(parts, dim=2).reshape(-1).numpy()
+def flatten_symbols(symbols: torch.Tensor) -> np.ndarray:
+    """``(2, layers, heads, tokens, dim)`` -> flat uint8 in substream order (token, kind, layer, head, dim)."""
+    return symbols.permute(3, 0, 1, 2, 4).reshape(-1).cpu().numpy()
 
 
-def unflatten_symbols(symbols: torch.Tensor, geo: ChunkGeometry) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Inverse of ``flatten_symbols`` (on the symbols' device): per kind, anchors ``(L, nA, C)`` and deltas ``(L, nD, C)``."""
-    per_kl = symbols.reshape(2, geo.layers, -1)
-    sizes = [n * geo.channels for pair in zip(geo.anchors_per_block, geo.deltas_per_block) for n in pair]
-    pieces = torch.split(per_kl, sizes, dim=2)
-    anchors = torch.cat([p.reshape(2, geo.layers, -1, geo.channels) for p in pieces[0::2]], dim=2)
-    deltas = torch.cat([p.reshape(2, geo.layers, -1, geo.channels) for p in pieces[1::2]], dim=2)
-    return [(anchors[k], deltas[k]) for k in range(2)]
+def unflatten_symbols(flat: torch.Tensor, geo: ChunkGeometry) -> torch.Tensor:
+    """Inverse of ``flatten_symbols`` (on the symbols' device)."""
+    return flat.reshape(geo.coded_tokens, 2, geo.layers, geo.heads, geo.dim).permute(1, 2, 3, 0, 4)
 
 
-def inline_tables(symbols: np.ndarray, layout: StreamLayout, geo: ChunkGeometry) -> np.ndarray:
-    """The inline tables of a chunk (see ``stream_layout``), measured on its own symbols."""
+def inline_tables(flat: np.ndarray, geo: ChunkGeometry) -> np.ndarray:
+    """The inline tables of a chunk (one per (kind, layer)), measured on its own symbols."""
     n = n_inline_tables(geo.layers)
-    table_of_symbol = np.repeat(layout.table_ids[:, 0].astype(np.int64), layout.counts())
-    counts = np.bincount(table_of_symbol * ALPHABET + symbols, minlength=n * ALPHABET)
+    table = np.repeat(np.arange(n, dtype=np.int64), geo.channels)
+    ids = np.tile(table, geo.coded_tokens) * ALPHABET + flat
+    counts = np.bincount(ids, minlength=n * ALPHABET)
     return counts_to_freqs(counts.reshape(n, ALPHABET), alpha=0.0)

@@ -13,9 +13,10 @@ MAX_LINES = 400
 #: Each layer of cachegen_core may import only the layers listed before it (docs/architecture.md).
 LAYERS = [
     {"errors", "paths"},
-    {"kv", "chunks", "manifest", "format", "quantize", "config", "fingerprint", "models", "raw", "segments"},
+    {"kv", "chunks", "manifest", "format", "quantize", "config", "fingerprint", "models", "raw", "rotary", "transform",
+     "pipeline", "kvstats", "segments"},
     {"coders"},
-    {"substreams", "profile", "bitstats", "fused", "codec", "limits"},
+    {"substreams", "profile", "bitstats", "fused", "blob", "codec", "limits"},
     {"stores"},
     {"settings", "progress", "metrics", "prometheus"},
     {"streaming"},

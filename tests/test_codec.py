@@ -10,20 +10,26 @@ from cachegen_core.coders.reference import ReferenceCoder
 from cachegen_core.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.format import Limits, pack, read_header, unpack
-from cachegen_core.kv import KVCache, KVShapeError, merge_heads, split_heads
+from cachegen_core.kv import KVCache, KVShapeError
+from cachegen_core.pipeline import components, dequantise, quantise, synthesise
 from cachegen_core.profile import Profile
+from cachegen_core.transform import identity_transform
+
+DATA = __import__("pathlib").Path(__file__).parent / "data"
 
 
-def _expected(kv: KVCache, codec: KVCodec, level: int) -> KVCache:
+def _expected(kv: KVCache, codec: KVCodec, level: int, start: int = 0) -> KVCache:
     """What decoding must give exactly: the quantiser's own reconstruction."""
-    out = []
-    for kind, x in enumerate((kv.keys, kv.values)):
-        q = codec.config.quantize(merge_heads(x), level, kind)
-        out.append(split_heads(codec.config.dequantize(q, kv.num_tokens), kv.num_kv_heads).to(kv.dtype))
-    return KVCache(*out)
+    tf = codec.profile.transform if codec.profile is not None and codec.profile.transform is not None else None
+    fitted = tf is not None
+    tf = tf or identity_transform(kv.num_layers, kv.num_kv_heads, kv.head_dim)
+    comp = components(kv, tf, start=start, sink_tokens=codec.config.sink_tokens, rotary=codec.rotary)
+    coded = quantise(comp, codec.config.level_step(level), fitted=fitted, step_cap=codec.config.step_cap)
+    k, v = synthesise(dequantise(coded), coded.mean, coded.exact, tf, start=start, encoded_start=start, rotary=codec.rotary)
+    return KVCache(k.to(kv.dtype), v.to(kv.dtype))
 
 
-@pytest.mark.parametrize("level", [0, 1, 2, 3])
+@pytest.mark.parametrize("level", range(CodecConfig().n_levels))
 def test_round_trip_is_the_quantiser_exactly(tiny_kv, level):
     codec = KVCodec()
     blob = codec.encode(tiny_kv, level)
@@ -89,24 +95,25 @@ def test_finest_level_generates_the_same_greedy_tokens(tiny_llama, seed):
 
 @settings(max_examples=25, deadline=None)
 @given(
-    config=st.sampled_from([CodecConfig(), CodecConfig(anchor_mode="level"), CodecConfig(delta_scale="channel")]),
+    config=st.sampled_from([CodecConfig(), CodecConfig(sink_tokens=0), CodecConfig(step_cap=1.0, stream_symbols=48)]),
     layers=st.integers(1, 3),
     kv_heads=st.sampled_from([1, 2, 3]),  # 1 = MQA
     tokens=st.sampled_from([1, 2, 9, 10, 11, 19, 161, 333]),
     head_dim=st.sampled_from([1, 4, 8]),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    level=st.integers(0, 3),
+    level=st.integers(0, CodecConfig().n_levels - 1),
+    start=st.sampled_from([0, 1, 5000]),
     seed=st.integers(0, 10_000),
 )
-def test_odd_shapes_round_trip(config, layers, kv_heads, tokens, head_dim, dtype, level, seed):
+def test_odd_shapes_round_trip(config, layers, kv_heads, tokens, head_dim, dtype, level, start, seed):
     g = torch.Generator().manual_seed(seed)
     kv = KVCache(
         torch.randn(layers, kv_heads, tokens, head_dim, generator=g).to(dtype),
         torch.randn(layers, kv_heads, tokens, head_dim, generator=g).to(dtype),
     )
     codec = KVCodec(config)
-    got = codec.decode(codec.encode(kv, level))
-    want = _expected(kv, codec, level)
+    got = codec.decode(codec.encode(kv, level, start=start))
+    want = _expected(kv, codec, level, start)
     assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
 
 
@@ -150,7 +157,7 @@ def test_foreign_blobs_are_rejected(tiny_kv):
     with pytest.raises(CacheGenFormatError, match="another model"):
         KVCodec(fingerprint="model-b").decode(blob)
     with pytest.raises(CacheGenFormatError, match="codec"):
-        KVCodec(CodecConfig(group_size=5)).decode(blob)
+        KVCodec(CodecConfig(sink_tokens=2)).decode(blob)
     with pytest.raises(CacheGenFormatError, match="max_tokens"):
         KVCodec(max_tokens=100).decode(blob)
     with pytest.raises(CacheGenFormatError, match="max_blob_bytes"):
@@ -165,6 +172,8 @@ def test_bad_inputs_to_encode(tiny_kv):
         codec.encode(tiny_kv.slice(0, 0))
     with pytest.raises(ValueError, match="level"):
         codec.encode(tiny_kv, 9)
+    with pytest.raises(ValueError, match="start"):
+        codec.encode(tiny_kv, 1, start=-1)
     bad = tiny_kv.keys.clone()
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(KVShapeError, match="NaN"):
@@ -263,3 +272,151 @@ def test_an_unavailable_device_is_a_typed_error_not_a_format_error(tiny_kv, monk
     forged = _repack_header(blob, coder="native-rans99")  # a coder missing here stays a format error on any device
     with pytest.raises(CacheGenFormatError, match="not available here"):
         KVCodec().decode(forged, device="cuda")
+
+
+# ------------------------------------------------------------------ v2: what is new in the format
+
+
+def test_a_v1_blob_is_rejected_naming_its_version():
+    blob = (DATA / "v1_blob.bin").read_bytes()  # written by the codec before issue 16 (tests/data/README.md)
+    assert blob[:6] == b"CGKV\x01\x00"
+    with pytest.raises(CacheGenFormatError, match="format version 1.*version 2"):
+        KVCodec(fingerprint="m1").decode(blob)
+
+
+def test_error_bound_per_element(tiny_kv):
+    """Each component is within half its step, so each element is within sum_j |B_ij| step_j / 2."""
+    codec = KVCodec(CodecConfig(sink_tokens=0))
+    blob = codec.encode(tiny_kv, 2)
+    got = codec.decode(blob)
+    step = codec.prepare(tiny_kv, 2).coded.step  # identity transform: B = I
+    for kind, (x, y) in enumerate(((tiny_kv.keys, got.keys), (tiny_kv.values, got.values))):
+        err = (x - y).abs() - 8 * x.abs() * 2.0**-23
+        assert (err <= step[kind][:, :, None, :] / 2).all()
+
+
+def test_sink_tokens_are_exact_and_only_at_the_context_start(tiny_kv):
+    codec = KVCodec(CodecConfig(sink_tokens=2))
+    got = codec.decode(codec.encode(tiny_kv, 3))
+    assert torch.equal(got.keys[:, :, :2], tiny_kv.keys[:, :, :2]) and torch.equal(got.values[:, :, :2], tiny_kv.values[:, :, :2])
+    assert not torch.equal(got.values[:, :, 2], tiny_kv.values[:, :, 2])
+    later = codec.decode(codec.encode(tiny_kv, 3, start=1536))  # a later chunk of the context: no sink in it
+    assert not torch.equal(later.values[:, :, 0], tiny_kv.values[:, :, 0])
+    assert len(codec.encode(tiny_kv, 3)) > len(codec.encode(tiny_kv, 3, start=1536))
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(30, 3, 1536, 64), (30, 3, 1024, 64), (4, 8, 1536, 128), (2, 2, 4000, 32)],
+    ids=["smollm2-chunk", "smollm2-tail", "7b-like", "narrow-long"],
+)
+def test_payload_within_half_a_percent_of_entropy_on_chunk_shapes(shape):
+    """No short substreams: every substream holds >= stream_symbols symbols, so the rANS flush stays small."""
+    torch.manual_seed(sum(shape))
+    layers, heads, tokens, dim = shape
+    scale = torch.logspace(-1, 1, layers * heads * dim).reshape(layers, heads, 1, dim)
+    kv = KVCache(torch.distributions.Laplace(0.0, 1.0).sample((layers, heads, tokens, dim)) * scale,
+                 torch.randn(layers, heads, tokens, dim) * scale)  # fmt: skip
+    codec = KVCodec(coder=NativeCoder())
+    for level in (codec.config.default_level, codec.levels[-1]):
+        _, stats = codec.encode_with_stats(kv, level, start=1536)
+        assert stats["ideal_bits_per_element"] < 6
+        assert stats["payload_bits_per_element"] <= stats["ideal_bits_per_element"] * 1.005
+        assert stats["streams"] >= 1
+
+
+def test_rotary_spec_matches_transformers(tiny_llama):
+    from cachegen_core.rotary import RotarySpec
+
+    spec = RotarySpec.from_model(tiny_llama)
+    assert spec is not None and spec.head_dim == tiny_llama.config.hidden_size // tiny_llama.config.num_attention_heads
+    x = torch.randn(2, 3, 50, spec.head_dim)
+    assert torch.allclose(spec.unrotate(spec.rotate(x, 77), 77), x, atol=1e-5)
+    pos = torch.arange(300, 350)[None]
+    cos, sin = tiny_llama.model.rotary_emb(x, pos)
+    mine_cos, mine_sin = spec.cos_sin(300, 50)
+    assert torch.equal(cos[0], mine_cos) and torch.equal(sin[0], mine_sin)
+
+
+def test_rotary_spec_refuses_what_it_cannot_invert(tiny_llama, monkeypatch):
+    from cachegen_core.rotary import RotarySpec
+
+    monkeypatch.setattr(tiny_llama.config, "model_type", "gpt_neox")
+    assert RotarySpec.from_model(tiny_llama) is None
+
+
+def test_decoding_at_another_start_re_rotates_the_keys(tiny_llama):
+    """decode(blob, start=s) equals the keys as if they sat at s, up to the quantisation error; layer 0's keys
+    depend on the token and its position only, so the model itself says what they are at s."""
+    from cachegen_core.rotary import RotarySpec
+
+    spec = RotarySpec.from_model(tiny_llama)
+    codec = KVCodec(CodecConfig(sink_tokens=0), rotary=spec)
+    torch.manual_seed(3)
+    ids = torch.randint(3, 128, (1, 90))
+    with torch.no_grad():
+        at_p = KVCache.from_dynamic_cache(tiny_llama(ids, position_ids=torch.arange(400, 490)[None], use_cache=True).past_key_values)
+        at_s = KVCache.from_dynamic_cache(tiny_llama(ids, position_ids=torch.arange(37, 127)[None], use_cache=True).past_key_values)
+    blob = codec.encode(at_p, 0, start=400)
+    same = codec.decode(blob)
+    assert torch.equal(codec.decode(blob, start=400).keys, same.keys)
+    moved = codec.decode(blob, start=37)
+    tol = (same.keys - at_p.keys).abs().amax() * 1.01 + 1e-6  # the quantisation error at the encoding position
+    assert (moved.keys[0] - at_s.keys[0]).abs().amax() <= tol
+    assert torch.equal(moved.values, same.values)
+    want = spec.rotate(spec.unrotate(same.keys, 400), 37)
+    assert torch.allclose(moved.keys, want, atol=1e-5)
+    with pytest.raises(ValueError, match="rotary"):  # without the rotary embedding positions cannot move
+        KVCodec(CodecConfig(sink_tokens=0)).decode(KVCodec(CodecConfig(sink_tokens=0)).encode(at_p, 0), start=5)
+    with pytest.raises(CacheGenFormatError, match="rotary"):  # keys coded before RoPE need the same RoPE
+        KVCodec(CodecConfig(sink_tokens=0)).decode(blob)
+
+
+def test_exact_sink_tokens_move_with_the_start(tiny_llama, tiny_kv):
+    from cachegen_core.rotary import RotarySpec
+
+    spec = RotarySpec.from_model(tiny_llama)
+    codec = KVCodec(rotary=spec)
+    blob = codec.encode(tiny_kv, 1)
+    assert torch.equal(codec.decode(blob).keys[:, :, 0], tiny_kv.keys[:, :, 0])
+    moved = codec.decode(blob, start=10)
+    assert torch.allclose(moved.keys[:, :, :1], spec.rotate(spec.unrotate(tiny_kv.keys[:, :, :1], 0), 10), atol=1e-5)
+
+
+def test_fitted_transform_round_trip_and_profile_file(tiny_llama, tmp_path):
+    """A profile with a Fisher-weighted transform and the rotary embedding: saved, loaded, decoded exactly."""
+    from cachegen_core.kvstats import kv_statistics
+    from cachegen_core.rotary import RotarySpec
+    from cachegen_core.transform import fit_transform
+
+    spec = RotarySpec.from_model(tiny_llama)
+    torch.manual_seed(4)
+    texts = [torch.randint(3, 128, (200,)).tolist() for _ in range(3)]
+    stats = kv_statistics(tiny_llama, texts, rotary=spec, contexts=(64, 128), continuation=32, chunk_tokens=64)
+    assert stats.fisher_tokens == 3 * (63 + 127) and stats.covariance_tokens == 3 * 127
+    tf = fit_transform(stats.covariance, stats.fisher, 0.1)
+    eye = torch.eye(tf.analysis.shape[-1])
+    assert torch.allclose(tf.synthesis @ tf.analysis, eye.expand_as(tf.analysis), atol=1e-4)
+    cfg = CodecConfig()
+    train = []
+    for t in texts:
+        with torch.no_grad():
+            train.append(KVCache.from_dynamic_cache(tiny_llama(torch.tensor([t]), use_cache=True).past_key_values))
+    prof = Profile.fit(cfg, train, transform=tf, rotary=spec, chunk_tokens=64, model_fingerprint="tiny")
+    loaded = Profile.load(prof.save(tmp_path / "p.safetensors"))
+    assert loaded.id == prof.id and loaded.rotary == spec and torch.equal(loaded.transform.synthesis, tf.synthesis)
+    codec = KVCodec(cfg, loaded)
+    assert codec.rotary == spec  # taken from the profile
+    kv = train[0].slice(64, 160)
+    blob = codec.encode(kv, 1, start=64)
+    got = codec.decode(blob)
+    want = _expected(kv, codec, 1, start=64)
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+    assert (got.keys - kv.keys).abs().mean() < kv.keys.abs().mean() * 0.2
+    L, H, _, D = kv.shape
+    buf = KVCache(torch.zeros(L, H, 200, D, dtype=torch.bfloat16), torch.zeros(L, H, 200, D, dtype=torch.bfloat16))
+    out = codec.decode(blob, out=buf.slice(64, 160))  # into the prompt's buffer, in the model's dtype: one rounding
+    assert torch.equal(out.keys, want.keys.to(torch.bfloat16)) and torch.equal(out.values, want.values.to(torch.bfloat16))
+    assert (buf.keys[:, :, :64] == 0).all() and (buf.keys[:, :, 160:] == 0).all()
+    with pytest.raises(ValueError, match="rotary"):
+        KVCodec(cfg, loaded, rotary=RotarySpec((1.0,) * (spec.head_dim // 2)))

@@ -90,7 +90,7 @@ def test_document_caches_of_another_model_or_codec_are_never_used(tiny_llama, ti
     if variant == "model":
         other = _engine(make_tiny_llama(seed=1), tiny_tokenizer, store)
     else:
-        other = _engine(tiny_llama, tiny_tokenizer, store, codec=KVCodec(CodecConfig(group_size=5)), level=0, store_options=[0])
+        other = _engine(tiny_llama, tiny_tokenizer, store, codec=KVCodec(CodecConfig(sink_tokens=4)), level=0, store_options=[0])
     _, info = other.generate(_prompt(other, "q", DOCS[:2]), max_new_tokens=2)
     assert info.documents == 2 and info.documents_reused == 0 and info.cached_tokens == 0
 

@@ -1,4 +1,4 @@
-"""The fused native decoder writes exactly what the torch path computes, into any slice of a KV buffer."""
+"""The native component decoder computes exactly what the torch path computes; decoding writes into any slice of a KV buffer."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from cachegen_core.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.format import unpack
 from cachegen_core.kv import KVCache
-from cachegen_core.substreams import ChunkGeometry, stream_layout
+from cachegen_core.substreams import stream_layout
 
 pytestmark = pytest.mark.skipif(not native_lib.available(), reason="native coder library not built")
 
@@ -18,18 +18,19 @@ pytestmark = pytest.mark.skipif(not native_lib.available(), reason="native coder
 def torch_path(codec: KVCodec, blob: bytes) -> KVCache:
     c = unpack(blob, codec.limits, views=True)
     h = codec.check_header(c.header, len(blob))
-    geo = ChunkGeometry.of(h.shape[0], h.shape[2], h.channels, codec.config)
-    params, freqs = codec._side_info(h, c)
-    return codec._reconstruct_torch(h, geo, params, freqs, stream_layout(geo, h.level, codec._tables), c, torch.device("cpu"))
+    geo = codec._geometry(h.shape[0], h.shape[1], h.shape[2], h.shape[3], h.start)
+    mean, step, exact, freqs = codec._side_info(h, c, geo)
+    comps = codec._components_torch(h, geo, step, freqs, stream_layout(geo, h.level, codec._tables), c, torch.device("cpu"))
+    return codec._synthesise(h, comps, mean, exact, h.start, None)
 
 
-@pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(anchor_mode="level"), CodecConfig(delta_scale="channel", group_size=4),
-                                    CodecConfig(stream_symbols=700)], ids=["default", "level-anchors", "channel-steps", "many-streams"])
+@pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(sink_tokens=0), CodecConfig(sink_tokens=4, step_cap=2.0),
+                                    CodecConfig(stream_symbols=700)], ids=["default", "no-sink", "sink4-capped", "many-streams"])
 def test_bit_exact_with_the_torch_path_at_every_level(tiny_kv, config):
     codec = KVCodec(config)
-    for kv in (tiny_kv, tiny_kv.slice(0, 1), tiny_kv.slice(3, 14)):
+    for kv, start in ((tiny_kv, 0), (tiny_kv.slice(0, 1), 0), (tiny_kv.slice(3, 14), 3), (tiny_kv.slice(3, 14), 0)):
         for level in codec.levels:
-            blob = codec.encode(kv, level)
+            blob = codec.encode(kv, level, start=start)
             ref = torch_path(codec, blob)
             got = codec.decode(blob)
             assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
@@ -54,7 +55,7 @@ def test_a_buffer_of_another_shape_is_a_format_error(tiny_kv):
         codec.decode(blob, out=KVCache(torch.empty(3, 2, 41, 16), torch.empty(3, 2, 41, 16)))
 
 
-def test_parameters_beyond_the_output_dtype_are_refused_without_looking_at_the_output():
+def test_values_beyond_the_output_dtype_are_refused():
     big = KVCache(torch.randn(2, 1, 20, 8) * 30000, torch.randn(2, 1, 20, 8))
     blob = KVCodec().encode(big, 0)
     KVCodec().decode(blob)  # float32 holds it
@@ -62,8 +63,5 @@ def test_parameters_beyond_the_output_dtype_are_refused_without_looking_at_the_o
         KVCodec().decode(blob, out=KVCache(torch.empty(2, 1, 20, 8, dtype=torch.float16), torch.empty(2, 1, 20, 8, dtype=torch.float16)))
 
 
-def test_supports_only_what_it_can_write(tiny_kv):
-    cpu = KVCache(torch.empty(1, 1, 1, 4), torch.empty(1, 1, 1, 4))
-    assert fused.supports(native_lib.CODER_NAME, cpu) and not fused.supports("torchac", cpu)
-    ints = KVCache(torch.empty(1, 1, 1, 4, dtype=torch.int32), torch.empty(1, 1, 1, 4, dtype=torch.int32))
-    assert not fused.supports(native_lib.CODER_NAME, ints)
+def test_supports_only_the_native_coder():
+    assert fused.supports(native_lib.CODER_NAME) and not fused.supports("torchac")

@@ -10,6 +10,7 @@ from cachegen_core.cli import main as cli
 from cachegen_core.codec import KVCodec
 from cachegen_core.config import CodecConfig
 from cachegen_core.kv import KVCache
+from cachegen_core.pipeline import components, dequantise, quantise, synthesise
 from cachegen_core.profile import Profile
 from cachegen_core.testing import words
 
@@ -21,20 +22,41 @@ def test_scoring_on_a_tiny_model(tiny_llama, tiny_tokenizer):
     rows = {(r["method"], r["level"]): r for r in summarise(tallies, 96)}
     fp16 = rows[("fp16", None)]
     assert fp16["ppl_rel_delta"] == 0 and fp16["top1_agreement"] == 1.0 and fp16["bits_per_element"] == 16
-    assert {m for m, _ in rows} == {"fp16", "cachegen", "uniform8", "uniform4", "kivi2", "zstd"}
+    assert {m for m, _ in rows} == {"fp16", "cachegen", "uniform8", "uniform4", "uniform8-token", "kivi2", "kivi4", "zstd"}
     assert all(r["bits_per_element"] > 0 and r["n_contexts"] == 1 for r in rows.values())
-    assert rows[("uniform8", None)]["bits_per_element"] < 16 and rows[("kivi2", None)]["bits_per_element"] < 4
+    assert rows[("uniform8", None)]["bits_per_element"] < 16 and rows[("uniform4", None)]["bits_per_element"] < 6
+    # 96 tokens, all inside KIVI's 128-token fp16 window: nothing to quantise, lossless
+    assert rows[("kivi2", None)]["bits_per_element"] == 16 and rows[("kivi2", None)]["ppl_rel_delta"] == 0
     assert rows[("zstd", None)]["ppl_rel_delta"] == 0  # lossless
 
 
-def test_uniform8_error_within_half_a_step(tiny_kv):
-    out, nbytes = baselines.uniform(tiny_kv, 8)
+def test_uniform8_per_token_error_within_half_a_step(tiny_kv):
+    out, nbytes = baselines.uniform_per_token(tiny_kv, 8)
     for x, y in ((tiny_kv.keys, out.keys), (tiny_kv.values, out.values)):
         t = x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1)
         step = (t.amax(-1) - t.amin(-1)) / 255
         err = (x - y).abs().permute(0, 2, 1, 3).reshape_as(t).amax(-1)
         assert (err <= step / 2 * 1.01 + 1e-6).all()
     assert nbytes == tiny_kv.num_elements + 4 * 2 * tiny_kv.num_layers * tiny_kv.num_tokens
+
+
+def test_fair_baselines_count_their_scales_and_window(tiny_kv):
+    layers, heads, tokens, dim = tiny_kv.shape  # 157 tokens
+    _, n8 = baselines.uniform(tiny_kv, 8, key_group=32)
+    n_groups_k = layers * heads * dim * -(-tokens // 32)
+    n_groups_v = layers * heads * tokens
+    assert n8 == tiny_kv.num_elements + 4 * (n_groups_k + n_groups_v)
+    out, n2 = baselines.kivi(tiny_kv, 2, group=32, residual=64)
+    n_q = (tokens - 64) - (tokens - 64) % 32  # 64 quantised tokens; the other 93 in fp16
+    assert torch.equal(out.keys[:, :, n_q:], tiny_kv.keys[:, :, n_q:].half().float())
+    assert not torch.equal(out.keys[:, :, :n_q], tiny_kv.keys[:, :, :n_q])
+    fp16_bytes = 2 * 2 * layers * heads * (tokens - n_q) * dim
+    scales = 4 * (layers * heads * dim * n_q // 32 + layers * heads * n_q * -(-dim // 32))
+    assert n2 == 2 * layers * heads * n_q * dim * 2 // 8 + scales + fp16_bytes
+    k = tiny_kv.keys[:, :, :n_q].float().reshape(layers, heads, -1, 32, dim)
+    step = (k.amax(3) - k.amin(3)) / 3  # per channel, per group of tokens
+    err = (out.keys[:, :, :n_q].float().reshape_as(k) - k).abs().amax(3)
+    assert (err <= step / 2 * 1.01 + 1e-3).all()
 
 
 def test_names_topic():
@@ -58,4 +80,9 @@ def test_profile_command_writes_a_profile_the_codec_uses(tiny_llama, tiny_tokeni
     with_p, without = KVCodec(CodecConfig(), profile), KVCodec(CodecConfig())
     blob = with_p.encode(kv)
     assert len(blob) < len(without.encode(kv))
-    assert torch.equal(with_p.decode(blob).keys, without.decode(without.encode(kv)).keys)
+    # v2: the profile also carries the per-head transform, so the reconstruction is the pipeline's with it
+    tf = profile.transform
+    comp = components(kv, tf, start=0, sink_tokens=with_p.config.sink_tokens, rotary=profile.rotary)
+    coded = quantise(comp, with_p.config.level_step(with_p.config.default_level), fitted=True, step_cap=with_p.config.step_cap)
+    keys, _ = synthesise(dequantise(coded), coded.mean, coded.exact, tf, rotary=profile.rotary)
+    assert torch.equal(with_p.decode(blob).keys, keys.to(kv.dtype))

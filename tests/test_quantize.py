@@ -2,58 +2,69 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cachegen_core.config import CodecConfig
-from cachegen_core.quantize import anchor_mask, dequantize, layer_groups, quantize
+from cachegen_core.quantize import RADIUS, bf16_round, dequantize, quantize, steps
 
 
-def _check_bound(x, group, **modes):
-    q = quantize(x, group, torch.linspace(0.5, 3.0, x.shape[0]), **modes)
-    y = dequantize(q, group, x.shape[1])
-    mask = anchor_mask(x.shape[1], group)
+def _check_bound(c, base, cap=0.0):
+    step = steps(c, base, cap)
+    s = quantize(c, step)
+    y = dequantize(s, step)
     # Half a step, plus a few float32 ulps of the value itself (the arithmetic's resolution).
-    err = (x - y).abs() - 4 * x.abs() * 2.0**-23
-    assert (err[:, mask] <= q.anchor_step[:, None] / 2).all()
-    assert (err[:, ~mask] <= q.delta_step[:, None] / 2).all()
-    return q
+    err = (c - y).abs() - 4 * c.abs() * 2.0**-23
+    assert (err <= step[:, :, None, :] / 2).all()
+    assert s.numel() == 0 or (s.min() >= 128 - RADIUS and s.max() <= 128 + RADIUS)
+    assert torch.equal(step, step.to(torch.bfloat16).float())  # what the blob stores is what was used
+    return step, s
 
 
 def test_error_within_half_step_on_wild_scales():
     torch.manual_seed(0)
-    x = torch.randn(3, 57, 16) * torch.logspace(-3, 3, 16)
-    x[:, 5, 3] += 1000  # an outlier delta must not be clipped
-    x[:, 0, 7] -= 500  # an outlier anchor
-    q = _check_bound(x, 10)
-    assert q.deltas.min() >= 1 and q.anchors.max() <= 255
+    c = torch.randn(3, 2, 57, 16) * torch.logspace(-3, 3, 16)
+    c[:, :, 5, 3] += 1000  # an outlier must not be clipped
+    c[:, :, 0, 7] -= 500
+    step, _ = _check_bound(c, torch.tensor(0.3))
+    assert (step[:, :, 3] >= 1000 / RADIUS).all()
 
 
 @settings(max_examples=40, deadline=None)
 @given(
     layers=st.integers(1, 4),
-    tokens=st.integers(1, 45),
-    channels=st.integers(1, 9),
-    group=st.integers(1, 12),
+    heads=st.integers(1, 3),
+    tokens=st.integers(0, 45),
+    dim=st.integers(1, 9),
+    base=st.floats(1e-4, 1e2),
+    cap=st.sampled_from([0.0, 0.5, 2.0]),
     scale=st.floats(1e-4, 1e4),
     seed=st.integers(0, 1000),
-    anchor_mode=st.sampled_from(["8bit", "level"]),
-    delta_scale=st.sampled_from(["layer", "channel"]),
 )
-def test_error_bound_property(layers, tokens, channels, group, scale, seed, anchor_mode, delta_scale):
+def test_error_bound_property(layers, heads, tokens, dim, base, cap, scale, seed):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(layers, tokens, channels, generator=g) * scale * torch.logspace(-2, 2, channels)
-    q = _check_bound(x, group, anchor_mode=anchor_mode, delta_scale=delta_scale)
-    assert q.deltas.numel() == 0 or q.deltas.min() >= 1
+    c = torch.randn(layers, heads, tokens, dim, generator=g) * scale * torch.logspace(-2, 2, dim)
+    _check_bound(c, torch.tensor(base), cap)
 
 
-def test_constant_channel_is_exact():
-    x = torch.full((2, 23, 3), 1.5)
-    q = quantize(x, 10, torch.ones(2))
-    assert torch.equal(dequantize(q, 10, 23), x)
+def test_cap_bounds_the_step_by_the_component_rms():
+    torch.manual_seed(1)
+    c = torch.randn(2, 1, 500, 4) * torch.tensor([1.0, 0.1, 0.01, 0.001])
+    step = steps(c, torch.tensor(10.0), cap=1.5)
+    rms = c.square().mean(2).sqrt()
+    assert (step <= 1.5 * rms * 1.01).all()  # bfloat16 rounding up, within 1 %
+    assert (steps(c, torch.tensor(10.0), cap=0.0) == 10.0).all()  # no cap: the level's step
 
 
-def test_layer_groups_and_levels_order():
-    assert layer_groups(30).tolist() == [0] * 10 + [1] * 10 + [2] * 10
+def test_zero_component_is_exact():
+    c = torch.zeros(2, 1, 23, 3)
+    c[:, :, :, 1] = torch.linspace(-1, 1, 23)
+    step, s = _check_bound(c, torch.tensor(1.0))
+    assert torch.equal(dequantize(s, step)[..., 0], c[..., 0]) and (s[..., 0] == 128).all()
+
+
+def test_bf16_rounding_is_directed():
+    x = torch.tensor([1.0001, -1.0001, 3.14159, 1e-20])
+    assert (bf16_round(x, +1.0) >= x).all() and (bf16_round(x, -1.0) <= x).all()
+
+
+def test_levels_get_coarser():
     cfg = CodecConfig()
-    for lvl in range(cfg.n_levels):
-        s = cfg.delta_steps(lvl, 30, 0)
-        assert s[0] <= s[15] <= s[29]  # early layers finest
-        if lvl:
-            assert (s > cfg.delta_steps(lvl - 1, 30, 0)).all()  # higher level = coarser
+    assert [cfg.level_step(lv) for lv in range(cfg.n_levels)] == sorted(cfg.levels)
+    assert 0 <= cfg.default_level < cfg.n_levels

@@ -73,7 +73,7 @@ def test_live_baseline_wire_formats_round_trip():
     back = unpack_fp16(blob, tuple(kv.shape))
     assert torch.equal(back.keys, kv.keys.half().float()) and torch.equal(back.values, kv.values.half().float())
     blob8 = pack_uniform8(kv)
-    ref, nbytes = baselines.uniform(kv, 8)
+    ref, nbytes = baselines.uniform_per_token(kv, 8)
     assert len(blob8) == nbytes  # the size the quality benchmark counts
     back8 = unpack_uniform8(blob8, tuple(kv.shape))
     assert torch.allclose(back8.keys, ref.keys, atol=1e-5) and torch.allclose(back8.values, ref.values, atol=1e-5)

@@ -1,0 +1,88 @@
+"""The per-head linear transform between a head's channels and the components the codec quantises.
+
+Transform coding under the model's own distortion measure: with ``F`` the Fisher of a
+(kind, layer, head) (``kvstats.py``; KL ~ ``e^T F e / 2``) and ``S`` the covariance of its
+channels about the chunk mean, the components ``c = A (x - mean)`` with
+
+    F + eps * mean(diag F) * I = Lc Lc^T        (Cholesky; eps keeps every direction finite)
+    Lc^T S Lc = U diag(lambda) U^T              (eigendecomposition)
+    A = U^T Lc^T / g,   B = A^-1 = Lc^-T U g    (g: one global scale, see below)
+
+are uncorrelated (variances ``lambda / g^2``) and each costs the same KL per unit of
+squared error. One uniform step for every component of every layer is then the
+rate-distortion optimum of this quadratic model (reverse water-filling: components whose
+spread is below the step get no bits at all). ``g`` is the RMS of all components, so a
+step is in units of the weighted signal's RMS. Without a Fisher (``fisher=None``) the
+same construction with ``F = I`` is a plain per-head PCA.
+
+Decoding applies ``B``: 64 multiply-adds per element for 64-dim heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class Transform:
+    """``analysis`` A and ``synthesis`` B = A^-1, float32 ``(2, layers, heads, dim, dim)``; ``spread``:
+    float32 ``(2, layers, heads, dim)``, the RMS of each component on the fitting data;
+    ``identity``: A = B = I (nothing to compute)."""
+
+    analysis: torch.Tensor
+    synthesis: torch.Tensor
+    spread: torch.Tensor
+    identity: bool = False
+
+    def __post_init__(self) -> None:
+        shape = self.analysis.shape
+        if len(shape) != 5 or shape[0] != 2 or shape[3] != shape[4] or self.synthesis.shape != shape:
+            raise ValueError(f"transform matrices must be (2, layers, heads, dim, dim), got {tuple(shape)}")
+        if self.spread.shape != shape[:4]:
+            raise ValueError("spread must be (2, layers, heads, dim)")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(layers, heads, dim)``."""
+        return tuple(self.analysis.shape[1:4])  # type: ignore[return-value]
+
+    def analyse(self, x: torch.Tensor, kind: int) -> torch.Tensor:
+        """Channels -> components: ``x`` ``(layers, heads, tokens, dim)``, centred."""
+        if self.identity:
+            return x
+        return torch.matmul(x, self.analysis[kind].to(x.device).transpose(-1, -2))
+
+    def synthesise(self, c: torch.Tensor, kind: int) -> torch.Tensor:
+        """Components -> channels (inverse of ``analyse``)."""
+        if self.identity:
+            return c
+        return torch.matmul(c, self.synthesis[kind].to(c.device).transpose(-1, -2))
+
+
+def fit_transform(covariance: torch.Tensor, fisher: torch.Tensor | None = None, eps: float = 0.01) -> Transform:
+    """The transform of the module docstring from ``covariance`` and ``fisher``, both ``(2, layers, heads, dim, dim)``."""
+    cov = covariance.double()
+    dim = cov.shape[-1]
+    eye = torch.eye(dim, dtype=torch.float64)
+    if fisher is None:
+        chol = eye.expand_as(cov)
+    else:
+        f = fisher.double()
+        f = 0.5 * (f + f.transpose(-1, -2))
+        scale = f.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-300)
+        chol = torch.linalg.cholesky(f + eps * scale[..., None, None] * eye)
+    weighted = chol.transpose(-1, -2) @ cov @ chol
+    lam, u = torch.linalg.eigh(0.5 * (weighted + weighted.transpose(-1, -2)))
+    lam, u = lam.flip(-1).clamp_min(0), u.flip(-1)  # largest component first
+    g = lam.mean().sqrt().clamp_min(1e-30)
+    analysis = u.transpose(-1, -2) @ chol.transpose(-1, -2) / g
+    synthesis = torch.linalg.solve(chol.transpose(-1, -2), u) * g
+    return Transform(analysis.float().contiguous(), synthesis.float().contiguous(), (lam.sqrt() / g).float().contiguous())
+
+
+def identity_transform(layers: int, heads: int, dim: int) -> Transform:
+    """Components = channels (the codec without a profile)."""
+    eye = torch.eye(dim).expand(2, layers, heads, dim, dim).contiguous()
+    return Transform(eye, eye, torch.ones(2, layers, heads, dim), identity=True)
