@@ -24,7 +24,7 @@ from .errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
 from .kv import KVCache, KVShapeError
 from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name
-from .pipeline import components, exact_tokens, quantise, synthesise
+from .pipeline import components, exact_tokens, magnitude_bound, quantise, synthesise_parts
 from .profile import Profile, TableLayout
 from .quantize import ALPHABET, OFFSET, RADIUS, dequantize, from_bf16_bits
 from .rotary import RotarySpec
@@ -309,7 +309,7 @@ class KVCodec:
                                             geo, step)  # fmt: skip
         else:
             comps = self._components_torch(h, geo, step, freqs, layout, c, device)
-        return self._synthesise(h, comps, mean.to(comps.device), exact.to(comps.device), start, out)
+        return self._synthesise(h, comps, mean.to(comps.device), step.to(comps.device), exact.to(comps.device), start, out)
 
     def _components_torch(self, h: BlobHeader, geo: ChunkGeometry, step: torch.Tensor, freqs: np.ndarray,
                           layout: StreamLayout, c: Container, device: torch.device) -> torch.Tensor:  # fmt: skip
@@ -327,26 +327,30 @@ class KVCodec:
         symbols = unflatten_symbols(flat, geo)
         return torch.stack([dequantize(symbols[kind], step[kind].to(flat.device)) for kind in range(2)])
 
-    def _synthesise(self, h: BlobHeader, comps: torch.Tensor, mean: torch.Tensor, exact: torch.Tensor, start: int,
-                    out: KVCache | None) -> KVCache:  # fmt: skip
-        """Components to KV in the blob's dtype (``pipeline.synthesise``), checked finite, written into ``out`` when given."""
-        layers, heads, _, dim = h.shape
-        keys, values = synthesise(comps, mean, exact, self._transform(layers, heads, dim), start=start,
-                                  encoded_start=h.start, rotary=self.rotary)  # fmt: skip
-        dtype = h.dtype if out is None else out.dtype
-        res = []
-        for x in (keys, values):
-            x = x.to(h.dtype)  # the blob's dtype first: what decoding without ``out`` returns
-            if not torch.isfinite(x).all():  # checked in the blob's dtype: float16 overflows past 65504
-                raise CacheGenFormatError("decoded KV is not finite")
-            x = x.to(dtype)
-            if out is not None and not torch.isfinite(x).all():
-                raise CacheGenFormatError(f"decoded KV is beyond {dtype}'s range")
-            res.append(x.contiguous())
+    def _synthesise(self, h: BlobHeader, comps: torch.Tensor, mean: torch.Tensor, step: torch.Tensor,
+                    exact: torch.Tensor, start: int, out: KVCache | None) -> KVCache:  # fmt: skip
+        """Components to KV in the blob's dtype (``pipeline.synthesise_parts``), written into ``out``
+        when given (else into a new cache). The output is scanned for overflow only when the
+        parameters' bound (``pipeline.magnitude_bound``) does not exclude it."""
+        layers, heads, tokens, dim = h.shape
+        transform = self._transform(layers, heads, dim)
         if out is None:
-            return KVCache(res[0], res[1])
-        out.keys.copy_(res[0])
-        out.values.copy_(res[1])
+            out = KVCache(*(torch.empty(h.shape, dtype=h.dtype, device=comps.device) for _ in range(2)))
+        limit = min(torch.finfo(h.dtype).max, torch.finfo(out.dtype).max)
+        checked = magnitude_bound(transform, mean, step, exact, self.rotary) * 1.001 >= limit
+        parts = synthesise_parts(comps, mean, exact, transform, start=start, encoded_start=h.start, rotary=self.rotary)
+        for (ex, body), dst in zip(parts, (out.keys, out.values)):
+            n = ex.shape[2]
+            for part, where in ((ex, dst[:, :, :n]), (body, dst[:, :, n:])):
+                if not part.numel():
+                    continue
+                if h.dtype != dst.dtype or checked:
+                    part = part.to(h.dtype)  # the blob's dtype first: what decoding without ``out`` returns
+                if checked and not torch.isfinite(part).all():  # float16 overflows past 65504
+                    raise CacheGenFormatError("decoded KV is not finite")
+                if checked and h.dtype != dst.dtype and not torch.isfinite(part.to(dst.dtype)).all():
+                    raise CacheGenFormatError(f"decoded KV is beyond {dst.dtype}'s range")
+                where.copy_(part)
         return out
 
     @staticmethod

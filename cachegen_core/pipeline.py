@@ -90,7 +90,7 @@ def quantise(comp: Components, level_step: float, *, fitted: bool, step_cap: flo
     return Coded(torch.stack(symbols), comp.mean, torch.stack(stps), comp.exact)
 
 
-def synthesise(
+def synthesise_parts(
     comps: torch.Tensor,
     mean: torch.Tensor,
     exact: torch.Tensor,
@@ -99,8 +99,9 @@ def synthesise(
     start: int = 0,
     encoded_start: int = 0,
     rotary: RotarySpec | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values, float32 ``(layers, heads, tokens, dim)``, on the components' device.
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per kind (keys, values), the exact tokens and the coded ones, float32 ``(layers, heads, n, dim)``
+    on the components' device: the two token ranges of :func:`synthesise`, not yet joined.
 
     ``comps``: dequantised components float32 ``(2, layers, heads, coded_tokens, dim)``
     (``dequantize``, or the native decoder's); ``mean`` and ``exact`` as in ``Coded``.
@@ -116,8 +117,42 @@ def synthesise(
             if start != encoded_start and ex.shape[2]:
                 ex = rotary.rotate(rotary.unrotate(ex, encoded_start), start)
             body = rotary.rotate(body, start + ex.shape[2])
-        out.append(torch.cat([ex, body], dim=2) if ex.shape[2] else body)
-    return out[0], out[1]
+        out.append((ex, body))
+    return out
+
+
+def synthesise(
+    comps: torch.Tensor,
+    mean: torch.Tensor,
+    exact: torch.Tensor,
+    transform: Transform,
+    *,
+    start: int = 0,
+    encoded_start: int = 0,
+    rotary: RotarySpec | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values, float32 ``(layers, heads, tokens, dim)``: :func:`synthesise_parts` joined."""
+    parts = synthesise_parts(comps, mean, exact, transform, start=start, encoded_start=encoded_start, rotary=rotary)
+    keys, values = (torch.cat([ex, body], dim=2) if ex.shape[2] else body for ex, body in parts)
+    return keys, values
+
+
+def magnitude_bound(
+    transform: Transform, mean: torch.Tensor, step: torch.Tensor, exact: torch.Tensor, rotary: RotarySpec | None
+) -> float:
+    """An upper bound on ``|x|`` over every value :func:`synthesise` can return for these parameters.
+
+    A component is ``(s - 128) * step`` with ``s`` in ``[0, 255]``, so ``|c| <= 128 step`` and a
+    channel ``|x_i| <= |mean_i| + sum_j |B_ij| 128 step_j``; a rotation by cos and sin (scaled by
+    ``attention_scaling``) at most doubles a key channel's bound. Computed in float64 from the
+    parameters alone: what lets the decoder skip a pass over the output to look for overflow.
+    """
+    synth = transform.synthesis.to(device=step.device, dtype=torch.float64).abs()
+    body = mean.double().abs() + 128 * (synth @ step.double()[..., None])[..., 0]  # (2, layers, heads, dim)
+    ex = exact.double().abs().flatten(1).amax(dim=1) if exact.numel() else torch.zeros(2, dtype=torch.float64, device=step.device)
+    per_kind = torch.maximum(body.flatten(1).amax(dim=1), ex.to(body.device))
+    key_factor = 2.0 * abs(rotary.attention_scaling) if rotary is not None else 1.0
+    return float(max(per_kind[0] * key_factor, per_kind[1]))
 
 
 def dequantise(coded: Coded) -> torch.Tensor:

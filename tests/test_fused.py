@@ -10,6 +10,8 @@ from cachegen_core.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.format import unpack
 from cachegen_core.kv import KVCache
+from cachegen_core.pipeline import magnitude_bound
+from cachegen_core.rotary import RotarySpec
 from cachegen_core.substreams import stream_layout
 
 pytestmark = pytest.mark.skipif(not native_lib.available(), reason="native coder library not built")
@@ -21,7 +23,7 @@ def torch_path(codec: KVCodec, blob: bytes) -> KVCache:
     geo = codec._geometry(h.shape[0], h.shape[1], h.shape[2], h.shape[3], h.start)
     mean, step, exact, freqs = codec._side_info(h, c, geo)
     comps = codec._components_torch(h, geo, step, freqs, stream_layout(geo, h.level, codec._tables), c, torch.device("cpu"))
-    return codec._synthesise(h, comps, mean, exact, h.start, None)
+    return codec._synthesise(h, comps, mean, step, exact, h.start, None)
 
 
 @pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(sink_tokens=0), CodecConfig(sink_tokens=4, step_cap=2.0),
@@ -61,6 +63,30 @@ def test_values_beyond_the_output_dtype_are_refused():
     KVCodec().decode(blob)  # float32 holds it
     with pytest.raises(CacheGenFormatError, match="range"):
         KVCodec().decode(blob, out=KVCache(torch.empty(2, 1, 20, 8, dtype=torch.float16), torch.empty(2, 1, 20, 8, dtype=torch.float16)))
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("start", [0, 5])
+def test_the_parameters_bound_every_decoded_value(tiny_kv, tiny_llama, start, rotary):
+    """The decoder skips the overflow scan when ``magnitude_bound`` is under the dtype's range: it must bound the output."""
+    spec = RotarySpec.from_model(tiny_llama) if rotary else None
+    codec = KVCodec(CodecConfig(sink_tokens=4), rotary=spec)
+    for scale in (1.0, 300.0):
+        kv = KVCache(tiny_kv.keys * scale, tiny_kv.values * scale)
+        for level in codec.levels:
+            blob = codec.encode(kv, level, start=start)
+            c = unpack(blob, codec.limits, views=True)
+            h = codec.check_header(c.header, len(blob))
+            geo = codec._geometry(*h.shape, h.start)
+            mean, step, exact, _ = codec._side_info(h, c, geo)
+            bound = magnitude_bound(codec._transform(*geo_shape(h)), mean, step, exact, codec.rotary)
+            for at in (start, start + 7) if rotary else (start,):  # decoded where it was encoded, and moved
+                got = codec.decode(blob, start=at)
+                assert max(got.keys.abs().max(), got.values.abs().max()) <= bound
+
+
+def geo_shape(h):
+    return h.shape[0], h.shape[1], h.shape[3]
 
 
 def test_supports_only_the_native_coder():
