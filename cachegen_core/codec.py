@@ -135,7 +135,8 @@ class KVCodec:
         self._check_kv(kv)
         layers, heads, tokens, dim = kv.shape
         comp = components(kv, self._transform(layers, heads, dim), start=start, sink_tokens=self.config.sink_tokens, rotary=self.rotary)
-        coded = quantise(comp, self.config.level_step(level), fitted=self._fitted, step_cap=self.config.step_cap)
+        step = self.config.level_step(level, fitted=self._fitted)
+        coded = quantise(comp, step, fitted=self._fitted, step_cap=self.config.step_cap)
         geo = self._geometry(layers, heads, tokens, dim, start)
         symbols = flatten_symbols(coded.symbols)
         layout = stream_layout(geo, level, self._tables)

@@ -28,6 +28,9 @@ class CodecConfig:
     ``transform`` and ``fisher_eps``: how a profile fits the per-head transform
     (``transform.py``): ``"fisher-klt"`` (decorrelating, weighted by the model's Fisher,
     regularised by ``fisher_eps``), ``"pca"`` (decorrelating, unweighted) or ``"none"``.
+    ``unprofiled_scale``: without a profile the step of a level above 0 is this many times its
+    step (in units of each layer's RMS), measured so that the default level costs ~4.4 bits per
+    element without a profile (3.5 with one) at about the same quality (``docs/results.md``).
     """
 
     levels: tuple[float, ...] = field(default=DEFAULT_LEVELS)
@@ -37,6 +40,7 @@ class CodecConfig:
     stream_symbols: int = 1 << 17
     transform: str = "fisher-klt"
     fisher_eps: float = 1.0
+    unprofiled_scale: float = 2.67
 
     def __post_init__(self) -> None:
         if not self.levels or any(not isinstance(s, (int, float)) or not 0 < s < float("inf") for s in self.levels):
@@ -50,6 +54,8 @@ class CodecConfig:
             raise ValueError("sink_tokens must be >= 0")
         if self.step_cap < 0:
             raise ValueError("step_cap must be >= 0")
+        if not 0 < self.unprofiled_scale < float("inf"):
+            raise ValueError("unprofiled_scale must be positive")
         if self.stream_symbols < 1:
             raise ValueError("stream_symbols must be >= 1")
         if self.transform not in TRANSFORMS:
@@ -61,11 +67,12 @@ class CodecConfig:
     def n_levels(self) -> int:
         return len(self.levels)
 
-    def level_step(self, level: int) -> float:
-        """The step of ``level`` (see ``DEFAULT_LEVELS``)."""
+    def level_step(self, level: int, *, fitted: bool = True) -> float:
+        """The step of ``level`` (see ``DEFAULT_LEVELS``); ``fitted=False``: for a codec without a
+        fitted transform (``unprofiled_scale`` times larger, except level 0: near-lossless either way)."""
         if not 0 <= level < self.n_levels:
             raise ValueError(f"level {level} not in [0, {self.n_levels})")
-        return self.levels[level]
+        return self.levels[level] * (1.0 if fitted or level == 0 else self.unprofiled_scale)
 
     def tokens_per_stream(self, symbols_per_token: int) -> int:
         """Tokens per substream for a model with ``symbols_per_token`` (2 x layers x channels)."""

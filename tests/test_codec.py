@@ -24,7 +24,7 @@ def _expected(kv: KVCache, codec: KVCodec, level: int, start: int = 0) -> KVCach
     fitted = tf is not None
     tf = tf or identity_transform(kv.num_layers, kv.num_kv_heads, kv.head_dim)
     comp = components(kv, tf, start=start, sink_tokens=codec.config.sink_tokens, rotary=codec.rotary)
-    coded = quantise(comp, codec.config.level_step(level), fitted=fitted, step_cap=codec.config.step_cap)
+    coded = quantise(comp, codec.config.level_step(level, fitted=fitted), fitted=fitted, step_cap=codec.config.step_cap)
     k, v = synthesise(dequantise(coded), coded.mean, coded.exact, tf, start=start, encoded_start=start, rotary=codec.rotary)
     return KVCache(k.to(kv.dtype), v.to(kv.dtype))
 

@@ -68,3 +68,8 @@ def test_levels_get_coarser():
     cfg = CodecConfig()
     assert [cfg.level_step(lv) for lv in range(cfg.n_levels)] == sorted(cfg.levels)
     assert 0 <= cfg.default_level < cfg.n_levels
+    unprofiled = [cfg.level_step(lv, fitted=False) for lv in range(cfg.n_levels)]
+    assert unprofiled == sorted(unprofiled) and unprofiled[0] == cfg.levels[0]  # level 0 stays near-lossless
+    assert unprofiled[1:] == [s * cfg.unprofiled_scale for s in cfg.levels[1:]]
+    with pytest.raises(ValueError, match="unprofiled_scale"):
+        CodecConfig(unprofiled_scale=0.0)
