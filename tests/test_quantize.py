@@ -1,3 +1,4 @@
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
