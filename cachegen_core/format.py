@@ -10,10 +10,10 @@
     12      4     CRC-32 of the header bytes (u32)
     16      H     header: UTF-8 JSON object
     ...           sections, in header order, sizes from their dtype and shape
-    ...           stream table: n_streams x (u32 length, u32 CRC-32)
+    ...           stream table: n_streams x (u32 length, u64 XXH3-64)
     ...           substream payloads, concatenated
 
-The header lists every section with its dtype, shape and CRC-32, the number of
+The header lists every section with its dtype, shape and XXH3-64 hash, the number of
 substreams and the CRC-32 of the stream table. Every length and count is checked
 against the blob's real size and against ``Limits`` before anything is allocated,
 and every failure raises ``CacheGenFormatError`` saying what is wrong. Nothing is
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import xxhash
 
 from .errors import CacheGenFormatError
 
@@ -38,7 +39,7 @@ VERSION = 2
 #: Earlier versions and what replaced them, for the error a blob of one of them gets.
 _OLD_VERSIONS = {1: "codec v1 (anchor/delta token groups)"}
 _PREAMBLE = struct.Struct("<4sHHII")
-_STREAM_ENTRY = struct.Struct("<II")
+_STREAM_ENTRY = struct.Struct("<IQ")
 SECTION_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "int32": np.int32, "float32": np.float32}
 
 
@@ -65,6 +66,12 @@ def _crc(data: bytes | memoryview) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
+def _payload_hash(data: bytes | memoryview) -> int:
+    """XXH3-64 of a section or substream: they hold a blob's bulk (a raw chunk: tens of megabytes),
+    which CRC-32 checks at ~1-3 GB/s and XXH3 at ~10-30 GB/s, on the warm path of every fetch."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def pack(header: Mapping[str, Any], sections: Mapping[str, np.ndarray], streams: Sequence[bytes]) -> bytes:
     """Serialise a header dict, named arrays and substream payloads into one blob."""
     sec_meta, sec_bytes = [], []
@@ -73,9 +80,9 @@ def pack(header: Mapping[str, Any], sections: Mapping[str, np.ndarray], streams:
         if dtype not in SECTION_DTYPES:
             raise ValueError(f"section {name!r}: dtype {dtype} not allowed")
         raw = np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
-        sec_meta.append({"name": name, "dtype": dtype, "shape": list(arr.shape), "crc32": _crc(raw)})
+        sec_meta.append({"name": name, "dtype": dtype, "shape": list(arr.shape), "xxh3": _payload_hash(raw)})
         sec_bytes.append(raw)
-    table = b"".join(_STREAM_ENTRY.pack(len(s), _crc(s)) for s in streams)
+    table = b"".join(_STREAM_ENTRY.pack(len(s), _payload_hash(s)) for s in streams)
     full = dict(header)
     full.update({"sections": sec_meta, "n_streams": len(streams), "streams_crc32": _crc(table)})
     head = json.dumps(full, sort_keys=True, separators=(",", ":")).encode()
@@ -161,7 +168,7 @@ def unpack(blob: bytes | memoryview, limits: Limits = Limits(), *, views: bool =
         if pos + size > n:
             raise CacheGenFormatError(f"section {s['name']!r} needs {size} bytes past offset {pos}, blob has {n} (truncated)")
         raw = mv[pos : pos + size]
-        if _crc(raw) != _int_field(s, "crc32", 0, 0xFFFFFFFF):
+        if _payload_hash(raw) != _int_field(s, "xxh3", 0, (1 << 64) - 1):
             raise CacheGenFormatError(f"section {s['name']!r} checksum mismatch (corrupted)")
         if s["name"] in sections:
             raise CacheGenFormatError(f"duplicate section {s['name']!r}")
@@ -181,9 +188,9 @@ def unpack(blob: bytes | memoryview, limits: Limits = Limits(), *, views: bool =
         what = "truncated" if pos + total > n else "trailing bytes"
         raise CacheGenFormatError(f"substreams need {total} bytes after offset {pos}, blob has {n - pos} ({what})")
     streams = []
-    for i, (length, crc) in enumerate(entries):
+    for i, (length, digest) in enumerate(entries):
         chunk = mv[pos : pos + length]
-        if _crc(chunk) != crc:
+        if _payload_hash(chunk) != digest:
             raise CacheGenFormatError(f"substream {i} checksum mismatch (corrupted)")
         streams.append(chunk if views else bytes(chunk))
         pos += length

@@ -158,7 +158,10 @@ class ChunkWriter:
 
 class _Worker:
     """A daemon thread writing queued chunks, first stages first; holds its writer weakly, so a dropped
-    writer is reported. It runs at a lower CPU priority than the requests (Linux: nice +10)."""
+    writer is reported. It runs at the lowest CPU priority (Linux: nice +19, inherited by the native
+    coder's and OpenMP's threads it starts): at +10 it still slowed the requests' prefill beside it
+    by 10-40 % on 2 cores (``benchmarks.warm_path`` miss-path rows). Its torch thread count is left
+    alone: ``torch.set_num_threads`` would also set the default of threads started later."""
 
     def __init__(self, writer: ChunkWriter, maxsize: int) -> None:
         self._writer = weakref.proxy(writer)
@@ -186,7 +189,7 @@ class _Worker:
 
     def _run(self) -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread only (Linux)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
         except (AttributeError, OSError):
             pass
         while not self._stopping:
