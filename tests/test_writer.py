@@ -149,3 +149,23 @@ def test_writers_of_different_forms_keep_each_others_blobs_named(tiny_llama, tin
         assert Manifest.from_bytes(store.get(manifest_key(c.key))).options == ["raw", 0, 3]
     _, info = a.generate(prompt, max_new_tokens=1)
     assert info.cached_tokens == 2 * CHUNK and info.levels == [0, 0]  # a's own form is still found
+
+
+def test_levels_wait_while_a_request_computes_and_the_raw_form_does_not(tiny_llama, tiny_tokenizer):
+    """The worker writes a chunk's first stage (raw) at once, its levels only when no request holds ``busy()``."""
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, background=False)
+    kv = e.calculate_kv(words(31, CHUNK))
+    chunk = e.chunks(words(31, CHUNK))[0]
+    store = MemoryStore()
+    w = ChunkWriter(e.codec, store, ["raw", 1], background=True, first_stage_now=False)
+    with w.busy(), w.busy():  # two requests at once
+        assert w.submit(chunk, kv)
+        deadline = time.monotonic() + 5
+        while store.get(blob_key(chunk.key, "raw")) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.get(blob_key(chunk.key, "raw")) is not None  # the next request can hit already
+        time.sleep(0.3)
+        assert store.get(blob_key(chunk.key, 1)) is None and not w.idle.is_set()
+    assert w.idle.is_set() and w.flush(10)
+    assert store.get(blob_key(chunk.key, 1)) is not None
+    assert Manifest.from_bytes(store.get(manifest_key(chunk.key))).options == ["raw", 1]

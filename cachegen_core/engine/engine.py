@@ -310,17 +310,17 @@ class KVEngine:
         return all_ids, all_chunks, buffers, covered, reused, infos
 
     def _answer(self, prompts: list[str | Sequence[int]], generation_kwargs: dict[str, Any], streamer: Any = None) -> list[tuple[str, GenerationInfo]]:
-        start = time.perf_counter()
-        new_tokens = int(generation_kwargs.get("max_new_tokens", hf.DEFAULT_MAX_NEW_TOKENS))
+        start, new_tokens = time.perf_counter(), int(generation_kwargs.get("max_new_tokens", hf.DEFAULT_MAX_NEW_TOKENS))
         out, seen = [], set()
-        for i, (prompt, ids, chunks, buffer, done, r, info) in enumerate(zip(prompts, *self._reuse(prompts, new_tokens))):
-            text, _ = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer, computed=r.computed)
-            self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt))
-            if self.documents is not None and r.missing:
-                self.documents.store(ids, r, info, seen)
-            info.total_s = time.perf_counter() - start
-            self.metrics_recorder.record(info, self, fetch_counted=i > 0)
-            out.append((text, info))
+        with self.writer.busy():  # the background writer encodes no level beside this request
+            for i, (prompt, ids, chunks, buffer, done, r, info) in enumerate(zip(prompts, *self._reuse(prompts, new_tokens))):
+                text, _ = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer, computed=r.computed)
+                self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt))
+                if self.documents is not None and r.missing:
+                    self.documents.store(ids, r, info, seen)
+                info.total_s = time.perf_counter() - start
+                self.metrics_recorder.record(info, self, fetch_counted=i > 0)
+                out.append((text, info))
         return out
 
     def _buffer(self, tokens: int) -> KVCache:
