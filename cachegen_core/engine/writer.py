@@ -23,7 +23,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from ..chunks import Chunk, blob_key
 from ..codec import KVCodec
@@ -51,6 +51,32 @@ class StoreHealth:
         if self.failing:
             log.info("store is %s again", what)
         self.failing = False
+
+
+class _RequestGate:
+    """How many requests of this process are computing; ``idle`` is set when none is."""
+
+    def __init__(self) -> None:
+        self.idle = threading.Event()
+        self.idle.set()
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        with self._lock:
+            self._count += 1
+            self.idle.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._count -= 1
+                if not self._count:
+                    self.idle.set()
+
+
+_GATE = _RequestGate()
 
 
 class ChunkWriter:
@@ -86,30 +112,21 @@ class ChunkWriter:
         self.options = list(dict.fromkeys(options))
         self.health = health or StoreHealth()
         self.first_stage_now = first_stage_now
-        #: Set while no request holds ``busy()``: the worker starts later stages (levels) only then.
-        self.idle = threading.Event()
-        self.idle.set()
-        self._busy = 0
-        self._busy_lock = threading.Lock()
         self._worker = _Worker(self, queue_size) if background else None
         if self._worker is not None:
             atexit.register(_flush_at_exit, weakref.ref(self))
 
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Held by a request while it computes: the background worker starts no later stage meanwhile
-        (encoding levels beside a prefill on a few cores slowed the prefill by 10-40 %); first stages
-        (the raw form, what the next request needs) are never held back."""
-        with self._busy_lock:
-            self._busy += 1
-            self.idle.clear()
-        try:
-            yield
-        finally:
-            with self._busy_lock:
-                self._busy -= 1
-                if not self._busy:
-                    self.idle.set()
+    @property
+    def idle(self) -> threading.Event:
+        """Set while no request of any engine of this process holds :meth:`busy`."""
+        return _GATE.idle
+
+    def busy(self) -> AbstractContextManager[None]:
+        """Held by a request while it computes: no background worker of this process starts a later
+        stage (levels) meanwhile, as the cores are shared (encoding levels beside a prefill on 2
+        cores slowed it by 10-40 %); first stages (the raw form, what the next request needs) are
+        never held back."""
+        return _GATE.busy()
 
     @property
     def stages(self) -> list[list[Option]]:
