@@ -30,7 +30,7 @@ from ..errors import BlobMissing, CacheGenError, CacheGenFormatError, StoreError
 from ..kv import KVCache
 from ..manifest import Manifest, manifest_key
 from ..segments import document_pieces
-from ..streaming import TEXT, ChunkRecord, Controller, Option, StreamFailure, rank, stream_batch
+from ..streaming import TEXT, ChunkRecord, Controller, Option, StreamFailure, stream_batch
 from . import hf
 from .blend import BlendConfig, blend, blend_support
 from .info import GenerationInfo
@@ -219,14 +219,8 @@ class DocumentCaches:
             return {}
         found = {}
         for key, data in zip(keys, raw):
-            if data is None:
-                continue
-            try:
-                manifest = Manifest.from_bytes(data)
-            except CacheGenFormatError as e:
-                report(info, f"bad manifest for document piece {key[:12]}, recomputed: {e}")
-                continue
-            if any(rank(o) <= rank(floor) and o in options for o in manifest.options):
+            manifest = reader.usable_manifest(data, floor, options, info, f"document piece {key[:12]}, recomputed")
+            if manifest is not None:
                 found[key] = manifest
         return found
 

@@ -94,17 +94,28 @@ class ChunkReader:
             self.health.recovered()
         run = []
         for c, data in zip(chunks, raw):
-            if data is None:
-                break
-            try:
-                manifest = Manifest.from_bytes(data)
-            except CacheGenFormatError as e:
-                report(info, f"bad manifest for chunk {c.index}, recomputing from there: {e}")
-                break
-            if not any(rank(o) <= rank(floor) and (options is None or o in options) for o in manifest.options):
+            manifest = self.usable_manifest(data, floor, options, info, f"chunk {c.index}, recomputing from there")
+            if manifest is None:
                 break
             run.append(manifest)
         return run
+
+    @staticmethod
+    def usable_manifest(data: bytes | None, floor: Option, options: Sequence[Option] | None, info: GenerationInfo,
+                        what: str) -> Manifest | None:  # fmt: skip
+        """The manifest in ``data`` when it names an option at least as fine as ``floor`` (and among
+        ``options``, when given); None when absent, unusable or bad (a bad one reported as
+        ``bad manifest for <what>``)."""
+        if data is None:
+            return None
+        try:
+            manifest = Manifest.from_bytes(data)
+        except CacheGenFormatError as e:
+            report(info, f"bad manifest for {what}: {e}")
+            return None
+        if any(rank(o) <= rank(floor) and (options is None or o in options) for o in manifest.options):
+            return manifest
+        return None
 
     def lookup_partial(self, candidates: Sequence[Chunk], floor: Option, info: GenerationInfo,
                        options: Sequence[Option] | None = None) -> tuple[Chunk, Manifest] | None:  # fmt: skip
@@ -118,14 +129,8 @@ class ChunkReader:
             self.trouble(info, f"store failure looking up a partial chunk: {e}")
             return None
         for c, data in reversed(list(zip(candidates, raw))):
-            if data is None:
-                continue
-            try:
-                manifest = Manifest.from_bytes(data)
-            except CacheGenFormatError as e:
-                report(info, f"bad manifest for the partial chunk of {c.num_tokens} tokens, ignored: {e}")
-                continue
-            if any(rank(o) <= rank(floor) and (options is None or o in options) for o in manifest.options):
+            manifest = self.usable_manifest(data, floor, options, info, f"the partial chunk of {c.num_tokens} tokens, ignored")
+            if manifest is not None:
                 return c, manifest
         return None
 
