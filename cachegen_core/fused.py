@@ -5,7 +5,7 @@ straight out as float32 components ``(s - 128) * step`` into a ``(2, layers, hea
 coded_tokens, dim)`` tensor: no symbol array and no torch pass over symbols. The arithmetic
 is the reference dequantiser's (one rounding), so the result is bit-identical to
 ``KVCodec``'s torch path; the per-head synthesis, the mean, the rotary embedding and the
-output dtype are then the same torch code on both paths (``pipeline.synthesise``).
+output dtype are then the same torch code on both paths (``pipeline.synthesise_parts``).
 """
 
 from __future__ import annotations

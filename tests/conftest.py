@@ -25,3 +25,12 @@ def tiny_kv(tiny_llama):
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model and tokenizer saved as a transformers directory: a stand-in for the reference model."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    make_tiny_llama().save_pretrained(path)
+    make_tiny_tokenizer().save_pretrained(path)
+    return str(path)

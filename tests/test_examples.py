@@ -11,16 +11,7 @@ import json
 
 import pytest
 
-from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer
 from examples import chat_history, langgraph_chat, rag_chain, rag_documents
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tiny-model")
-    make_tiny_llama().save_pretrained(path)
-    make_tiny_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(autouse=True)

@@ -7,18 +7,10 @@ import json
 import pytest
 
 from benchmarks import chat_reuse, rag_reuse
-from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer, words
+from cachegen_core.testing import words
 
 RAG_KEYS = {"method", "recompute_ratio", "docs", "context_tokens", "ttft_s", "ppl_rel_delta", "top1_agreement", "cached_tokens"}
 CHAT_KEYS = {"turn", "prompt_tokens", "cached_tokens", "recomputed_tokens", "new_tokens", "ttft_s"}
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tiny-model")
-    make_tiny_llama().save_pretrained(path)
-    make_tiny_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture
