@@ -22,7 +22,7 @@ from .coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, defa
 from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
-from .kv import KVCache, KVShapeError
+from .kv import KVCache, KVShapeError, all_finite
 from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name
 from .pipeline import components, exact_tokens, magnitude_bound, quantise, synthesise_parts
 from .profile import Profile, TableLayout
@@ -181,7 +181,7 @@ class KVCodec:
             raise KVShapeError(f"chunk of {kv.num_tokens} tokens exceeds max_tokens={self.max_tokens}")
         if dtype_name(kv.dtype) not in DTYPES:
             raise KVShapeError(f"unsupported KV dtype {kv.dtype}")
-        if not torch.isfinite(kv.keys).all() or not torch.isfinite(kv.values).all():
+        if not (all_finite(kv.keys) and all_finite(kv.values)):
             raise KVShapeError("KV cache contains NaN or infinite values")
         if self.rotary is not None and kv.head_dim != self.rotary.head_dim:
             raise KVShapeError(f"KV head_dim {kv.head_dim} does not match the rotary embedding's {self.rotary.head_dim}")
@@ -347,9 +347,9 @@ class KVCodec:
                     continue
                 if h.dtype != dst.dtype or checked:
                     part = part.to(h.dtype)  # the blob's dtype first: what decoding without ``out`` returns
-                if checked and not torch.isfinite(part).all():  # float16 overflows past 65504
+                if checked and not all_finite(part):  # float16 overflows past 65504
                     raise CacheGenFormatError("decoded KV is not finite")
-                if checked and h.dtype != dst.dtype and not torch.isfinite(part.to(dst.dtype)).all():
+                if checked and h.dtype != dst.dtype and not all_finite(part.to(dst.dtype)):
                     raise CacheGenFormatError(f"decoded KV is beyond {dst.dtype}'s range")
                 where.copy_(part)
         return out

@@ -59,19 +59,21 @@ def steps(c: torch.Tensor, base: torch.Tensor, cap: float) -> torch.Tensor:
     if c.shape[2]:
         if cap > 0:
             step = torch.minimum(step, cap * c.square().mean(dim=2).sqrt())
-        step = torch.maximum(step, c.abs().amax(dim=2) / RADIUS)
+        lo, hi = torch.aminmax(c, dim=2)
+        peak = torch.maximum(lo.abs(), hi.abs())  # max |c|, without a copy of c
+        step = torch.maximum(step, peak / RADIUS)
     step = bf16_round(torch.where(step > _TINY, step, torch.ones_like(step)), +1.0)
     # bf16 rounding up can land exactly on the bound; one more ulp if max|c| / step still exceeds the radius.
     if c.shape[2]:
-        over = c.abs().amax(dim=2) / step > RADIUS
+        over = peak / step > RADIUS
         step = torch.where(over, torch.nextafter(step.to(torch.bfloat16), torch.tensor(float("inf"), dtype=torch.bfloat16)).float(), step)
     return step
 
 
 def quantize(c: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Symbols (uint8, same shape as ``c``) of components ``c`` ``(layers, heads, tokens, dim)`` at ``step`` ``(layers, heads, dim)``."""
-    q = torch.round(c / step[:, :, None, :]).clamp_(-RADIUS, RADIUS)
-    return (q + OFFSET).to(torch.uint8)
+    q = torch.div(c, step[:, :, None, :]).round_().clamp_(-RADIUS, RADIUS).add_(OFFSET)
+    return q.to(torch.uint8)
 
 
 def dequantize(symbols: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,6 @@ def unflatten_symbols(flat: torch.Tensor, geo: ChunkGeometry) -> torch.Tensor:
 def inline_tables(flat: np.ndarray, geo: ChunkGeometry) -> np.ndarray:
     """The inline tables of a chunk (one per (kind, layer)), measured on its own symbols."""
     n = n_inline_tables(geo.layers)
-    table = np.repeat(np.arange(n, dtype=np.int64), geo.channels)
-    ids = np.tile(table, geo.coded_tokens) * ALPHABET + flat
-    counts = np.bincount(ids, minlength=n * ALPHABET)
-    return counts_to_freqs(counts.reshape(n, ALPHABET), alpha=0.0)
+    rows = flat.reshape(geo.coded_tokens, n, geo.channels)  # one table per row of the period
+    counts = np.stack([np.bincount(rows[:, t].ravel(), minlength=ALPHABET) for t in range(n)])
+    return counts_to_freqs(counts, alpha=0.0)

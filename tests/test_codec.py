@@ -178,6 +178,11 @@ def test_bad_inputs_to_encode(tiny_kv):
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(KVShapeError, match="NaN"):
         codec.encode(KVCache(bad, tiny_kv.values))
+    for value in (float("inf"), float("-inf")):  # in the values, at the last element, in float16 too
+        bad = tiny_kv.values.clone().half()
+        bad[-1, -1, -1, -1] = value
+        with pytest.raises(KVShapeError, match="infinite"):
+            codec.encode(KVCache(tiny_kv.keys.half(), bad))
 
 
 def test_reference_coder_recorded(tiny_kv):
