@@ -225,3 +225,26 @@ def test_gqa_attention_gives_sdpas_results_without_copying_kv_heads(tiny_tokeniz
     mha = make_tiny_llama(seed=4, kv_heads=4)
     mha.set_attn_implementation("sdpa")
     assert not use_gqa_attention(mha)  # nothing to gain without grouped heads: left as it is
+
+
+@pytest.mark.parametrize("prefix", [20, 50, 90])
+def test_prefill_after_a_short_prefix_skips_the_masked_half(tiny_tokenizer, monkeypatch, prefix):
+    """Many tokens prefilled after a short reused prefix (at most half their number) take the causal kernel on
+    padded queries, with sdpa's logits; a longer prefix keeps the masked call."""
+    from cachegen_core.engine import attention, hf
+
+    base, gqa = make_tiny_llama(seed=5), make_tiny_llama(seed=5)
+    base.set_attn_implementation("sdpa")
+    gqa.set_attn_implementation("sdpa")
+    assert attention.use_gqa_attention(gqa)
+    calls = []
+    real = attention.offset_causal_attention
+    monkeypatch.setattr(attention, "offset_causal_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    ids = tiny_tokenizer(words(81, 200))["input_ids"][: prefix + 100]
+    with torch.no_grad():
+        past = hf.prefill(base, ids[:prefix])
+        a = base(torch.tensor([ids[prefix:]]), past_key_values=hf.model_cache(base, past)).logits
+        b = gqa(torch.tensor([ids[prefix:]]), past_key_values=hf.model_cache(gqa, past)).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    layers = gqa.config.num_hidden_layers
+    assert calls == ([100] * layers if prefix <= 50 else [])
