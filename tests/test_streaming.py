@@ -456,6 +456,16 @@ def test_no_slo_picks_the_fastest_option_at_least_as_fine_as_the_floor():
     assert fast.predicted_finish_s == pytest.approx(5 * 8 * MB / (10_000 * MB) + 5 * 0.005, rel=0.2)
 
 
+def test_no_slo_near_tie_goes_to_fewer_bytes_on_the_link():
+    """Raw predicted 7 % sooner than level 1 at the estimated bandwidth, but not at 85 % of it: the plan is scored
+    at ``safety`` times the estimate, so the choice does not hang on the estimate being exact."""
+    kw = dict(options=[RAW, *LEVELS], elapsed_s=0.0, slo_s=None, prefill_s_per_token=1.0, floor=1, bandwidth=125 * MB)
+    chunk = raw_and_levels(1)  # raw: 8 MB + 5 ms; level 1: 3 MB + 50 ms
+    assert choose(chunk, safety=1.0, **kw).option == RAW
+    assert choose(chunk, **kw).option == 1
+    assert choose(chunk, **{**kw, "bandwidth": 250 * MB}).option == RAW  # clearly faster: still raw
+
+
 def test_no_slo_mixes_raw_and_levels_when_both_stages_can_work():
     """Link and decoder both busy: raw chunks (heavy on the link) between levels (heavy on the decoder)
     finish sooner than either alone, and the controller's greedy plan finds the mix."""
