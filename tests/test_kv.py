@@ -48,3 +48,22 @@ def test_merge_and_split_heads():
     assert m.shape == (2, 5, 12)
     assert m[1, 4, 2 * 4 + 3] == x[1, 2, 4, 3]  # channel = head * head_dim + dim
     assert torch.equal(split_heads(m, 3), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_empty_tensor_is_plain_writable_memory_that_outlives_its_mapping(dtype):
+    import gc
+
+    from cachegen_core.kv import HUGE_PAGE_MIN_BYTES, empty_tensor
+
+    shape = (4, 2, HUGE_PAGE_MIN_BYTES // 128 + 3, 64)  # past the huge-page threshold
+    t = empty_tensor(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32).remainder(251).view(shape))
+    view = t[1:3, :, 7:9]
+    expected = view.clone()
+    del t
+    gc.collect()
+    assert torch.equal(view, expected)  # the slice keeps the mapping alive
+    small = empty_tensor((3, 5), dtype)
+    assert small.shape == (3, 5) and small.dtype == dtype

@@ -24,7 +24,7 @@ from ..codec import KVCodec
 from ..config import CodecConfig
 from ..errors import CacheGenError, StoreError
 from ..fingerprint import model_fingerprint
-from ..kv import KVCache
+from ..kv import KVCache, empty_tensor
 from ..metrics import EngineMetrics, MetricsRecorder, engine_metrics
 from ..profile import Profile
 from ..progress import progress_bar
@@ -327,7 +327,7 @@ class KVEngine:
         """An uninitialised KV of ``tokens`` tokens in the model's dtype, on its device: a prompt's cache."""
         layers, heads, dim = self.kv_geometry
         shape, dtype, device = (layers, heads, tokens, dim), hf.model_dtype(self.model), self.model.device
-        return KVCache(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        return KVCache(empty_tensor(shape, dtype, device), empty_tensor(shape, dtype, device))
 
     # ------------------------------------------------------------ the warm path
     @property
