@@ -24,6 +24,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -91,8 +92,8 @@ def names_topic(answer_text: str, topic: str) -> bool:
     return bool(words) and sum(w in said for w in words) >= max(1, math.ceil(0.6 * len(words)))
 
 
-def methods(codec: Any, chunk_tokens: int, zstd_level: int = 19) -> dict[tuple[str, int | None], Method]:
-    """Every method under test, keyed by (name, level)."""
+def methods(codec: Any, chunk_tokens: int, zstd_level: int = 19, only: Sequence[str] | None = None) -> dict[tuple[str, int | None], Method]:
+    """Every method under test (or those named in ``only``, and ``fp16``: the reference), keyed by (name, level)."""
 
     def cachegen(level: int) -> Method:
         def run(kv: KVCache) -> tuple[KVCache, int]:
@@ -117,6 +118,11 @@ def methods(codec: Any, chunk_tokens: int, zstd_level: int = 19) -> dict[tuple[s
         out[("quanto4", None)] = lambda kv: baselines.quanto(kv, 4)
         out[("quanto2", None)] = lambda kv: baselines.quanto(kv, 2)
     out[("zstd", None)] = lambda kv: baselines.zstd(kv, zstd_level)
+    if only is not None:
+        unknown = set(only) - {name for name, _ in out}
+        if unknown:
+            raise ValueError(f"unknown methods {sorted(unknown)}; known: {sorted({name for name, _ in out})}")
+        out = {k: m for k, m in out.items() if k[0] == "fp16" or k[0] in only}
     return out
 
 
@@ -132,12 +138,13 @@ def evaluate(
     task: bool = True,
     zstd_level: int = 19,
     progress: bool = True,
+    only: Sequence[str] | None = None,
 ) -> dict[tuple[str, int | None], Tally]:
     """Run every method on every record long enough for ``context_tokens + continuation_tokens``."""
     from tqdm import tqdm  # noqa: PLC0415
 
     tallies: dict[tuple[str, int | None], Tally] = {}
-    ms = methods(codec, chunk_tokens, zstd_level)
+    ms = methods(codec, chunk_tokens, zstd_level, only)
     for rec in tqdm(records, desc=f"C={context_tokens}", disable=not progress, file=sys.stderr):
         ids = tokenizer(rec["prompt"])["input_ids"]
         if len(ids) < context_tokens + continuation_tokens:
@@ -233,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-task", action="store_true", help="skip the LongChat question")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--zstd-level", type=int, default=19)
+    ap.add_argument("--methods", nargs="+", default=None, help="only these methods (fp16, the reference, always runs)")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--quick", action="store_true", help="2 contexts of 1536 tokens (< 3 minutes)")
@@ -256,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     out = open(args.out, "a") if args.out else None
     rows = []
     for c in args.contexts:
-        tallies = evaluate(model, tok, records, c, codec, chunk_tokens=args.chunk_tokens, task=not args.no_task, zstd_level=args.zstd_level)
+        tallies = evaluate(model, tok, records, c, codec, chunk_tokens=args.chunk_tokens, task=not args.no_task,
+                           zstd_level=args.zstd_level, only=args.methods)  # fmt: skip
         if not tallies:
             print(f"# no record has {c} + 256 tokens", file=sys.stderr)
             continue
