@@ -44,7 +44,7 @@ class Variant:
     ``ratio``: recompute budget (share of cached tokens); ``hkvd``: fill the budget with the tokens whose
     layer-``check_layer`` KV deviates most (else only the forced ones); ``metric``: ``kv``, ``k`` or ``v``;
     ``first``: the first tokens of each document always recomputed (EPIC's LegoLink); ``tail``: the last
-    tokens of the last document always recomputed; ``per_doc``: the budget split over documents by size
+    tokens of the last document always recomputed; ``head``: its first tokens; ``per_doc``: the budget split over documents by size
     rather than one global top-k; ``gradual``: pick ``gradual`` x the budget at the check layer and keep
     the budget's worth at the next layer (CacheBlend's gradual filtering); ``backfill``: with a check layer
     past 1, write the picked tokens' fresh KV of the layers before it too; ``preamble``: what each document
@@ -59,6 +59,7 @@ class Variant:
     metric: str = "kv"
     first: int = 0
     tail: int = 0
+    head: int = 0
     per_doc: bool = False
     gradual: float = 0.0
     backfill: bool = False
@@ -137,9 +138,9 @@ def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int,
     must = ~cached.clone()
     for s, e in docs:
         must[s - start : min(s + spec.first, e) - start] = True
-    if spec.tail:
-        s, e = docs[-1]
-        must[max(s, e - spec.tail) - start : e - start] = True
+    s, e = docs[-1]
+    must[max(s, e - spec.tail) - start : e - start] |= spec.tail > 0
+    must[s - start : min(e, s + spec.head) - start] |= spec.head > 0
     n_cached = int(cached.sum())
     extra = int((must & cached).sum())
     n_pick = max(0, math.ceil(spec.ratio * n_cached) - extra) if spec.hkvd and spec.ratio > 0 else 0
