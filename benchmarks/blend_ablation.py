@@ -13,7 +13,8 @@ its recompute, prefills the question and is scored. No store, no timing: quality
 A variant is a :class:`Variant`; the recompute share counts every cached token recomputed from the
 check layer on (forced or picked) against ``ceil(ratio * cached)``; ``layer_share`` is the share of
 (region token, layer) pairs computed, the layer-0 pass and layers before the check included.
-The default variant (``default``) runs ``blend.blend`` with ``BlendConfig()`` as the engine does.
+The variant ``default`` runs ``blend.blend`` with ``BlendConfig()`` as ``DocumentCaches`` does
+(``name:engine=1,ratio=R``: ``blend.blend`` at ratio R, deviation only, as before the last document came first).
 
 One JSON line per (variant, prompt) (``"row": "prompt"``) and one summary per variant
 (``"row": "summary"``: ``ppl_rel_delta`` over all prompts' tokens as rag_reuse computes it,
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     from cachegen_core.engine import hf  # noqa: PLC0415
-    from cachegen_core.engine.blend import BlendConfig, blend, blend_support  # noqa: PLC0415
+    from cachegen_core.engine.blend import BlendConfig, blend, blend_support, last_document_first  # noqa: PLC0415
     from cachegen_core.engine.rope import shift_keys  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
     from cachegen_core.segments import document_spans  # noqa: PLC0415
@@ -274,10 +275,11 @@ def main(argv: list[str] | None = None) -> None:
                 buf.slice(s, e).keys.copy_(kv.keys)
                 buf.slice(s, e).values.copy_(kv.values)
                 cached[s - start : e - start] = True
-            if v.engine:
-                cfg = BlendConfig(recompute_ratio=v.ratio) if v.name != "default" else BlendConfig()
+            if v.engine:  # what DocumentCaches does with this config
+                cfg = BlendConfig() if v.name == "default" else BlendConfig(recompute_ratio=v.ratio, last_document=False)
+                first = last_document_first(spans, start, cached, cfg.recompute_ratio, cfg.head_tokens) if cfg.last_document else None
                 total = blend(model, ids, buf, start, end, cached, cfg.recompute_ratio, check_layer=cfg.check_layer,
-                              query_block=cfg.query_block)  # fmt: skip
+                              query_block=cfg.query_block, first=first)  # fmt: skip
                 recomputed, pairs = total - int((~cached).sum()), None
             else:
                 recomputed, pairs = blend_variant(model, ids, buf, start, end, cached, spans, v)
