@@ -7,8 +7,8 @@ piece shared by prompts of a batch once), their keys moved to where they landed
 (``rope.shift_keys``), and the prompt between the prefix and the first cached document is
 prefilled exactly. Then :func:`~.blend.blend` recomputes the selected share of the cached
 tokens (the last document's first: :func:`~.blend.last_document_first`) and every token with no
-cached KV (text between documents, documents not stored), so that documents attend to each other again. The question after the last document is left to
-generation. A document not in the store is computed on its own after the answer (``store``)
+cached KV (text between documents, documents not stored), so that documents attend to each
+other again. The question after the last document is left to generation. A document not in the store is computed on its own after the answer (``store``)
 and queued for the writer, so the next prompt holding it, in any position, finds it.
 
 Models :func:`~.blend.blend_support` refuses (another architecture, a rope type whose
