@@ -12,8 +12,8 @@ Methods: ``full-prefill`` (no cache: the reference); ``prefix-cache`` (today's r
 chunks behind the same prefix, the store warmed with the same documents in other orders);
 ``concat`` (document caches moved to their positions, nothing recomputed but the text between
 them); ``blend-r`` (the same, then CacheBlend's selective recompute of a share ``r`` of the cached
-tokens). Every engine stores and reads the raw 16-bit form (``level="raw"``), so the rows measure
-reuse, not compression. TTFT is the engine's time to first token (one prompt at a time, on this
+tokens, the last document first). Every engine stores and reads the raw 16-bit form
+(``level="raw"``), so the rows measure reuse, not compression. TTFT is the engine's time to first token (one prompt at a time, on this
 machine's cores), full prefill timed in the same run; ``ttft_speedup`` is full prefill's over the method's.
 
 One JSON line per method: ``method``, ``recompute_ratio``, ``docs``, ``context_tokens``,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cachegen_core.engine import hf
-from cachegen_core.engine.blend import BlendConfig, blend, blend_support
+from cachegen_core.engine.blend import BlendConfig, blend, blend_support, last_document_first
 from cachegen_core.engine.rope import Rope, rope_of, shift_keys
 from cachegen_core.kv import KVCache
 from cachegen_core.testing import make_tiny_llama
@@ -112,8 +112,36 @@ def test_a_partial_recompute_moves_the_kv_towards_full_prefill(tiny_llama):
     assert errors[0] > errors[1] > errors[2]
 
 
+def test_the_last_document_comes_first_its_head_and_tail_when_it_does_not_fit():
+    cached = torch.ones(DOCS[-1][1] - PREFIX, dtype=torch.bool)
+    cached[DOCS[0][1] - PREFIX : DOCS[1][0] - PREFIX] = False  # the text between: no cached KV
+    last = range(DOCS[1][0] - PREFIX, DOCS[1][1] - PREFIX)  # region indices of the last document (135 tokens)
+    assert last_document_first(DOCS, PREFIX, cached, 1.0, 8).nonzero().flatten().tolist() == list(last)  # it fits
+    head_and_tail = last_document_first(DOCS, PREFIX, cached, 0.1, 8)  # budget ceil(23.5) = 24: 8 first, 16 last
+    assert head_and_tail.nonzero().flatten().tolist() == list(last[:8]) + list(last[-16:])
+    assert not last_document_first(DOCS, PREFIX, cached, 0.0, 8).any()  # ratio 0: nothing, concatenation
+
+
+def test_the_first_tokens_are_recomputed_within_the_budget_and_nothing_else_moves(tiny_llama):
+    ids = _ids(4)
+    full = hf.prefill(tiny_llama, ids)
+    buf, cached = _assembled(tiny_llama, ids, full, blend_support(tiny_llama))
+    before = KVCache(buf.keys.clone(), buf.values.clone())
+    end = DOCS[-1][1]
+    first = last_document_first(DOCS, PREFIX, cached, 0.5, 10)  # budget ceil(117.5) = 118 of the last 135: all first
+    assert int(first.sum()) == 118
+    assert blend(tiny_llama, ids, buf, PREFIX, end, cached, 0.5, first=first) == 5 + 118  # none picked by deviation
+    moved = (buf.keys[1:, :, :end] != before.keys[1:, :, :end]).any(-1).any(1).any(0)  # per token, layers 1+
+    picked = first.nonzero().flatten() + PREFIX
+    gap = torch.arange(DOCS[0][1], DOCS[1][0])
+    assert moved.nonzero().flatten().tolist() == sorted([*picked.tolist(), *gap.tolist()])
+    assert torch.equal(buf.keys[:, :, DOCS[0][0] : DOCS[0][1]], before.keys[:, :, DOCS[0][0] : DOCS[0][1]])
+
+
 def test_blend_config_is_checked():
     with pytest.raises(ValueError, match="check_layer"):
         BlendConfig(check_layer=0)
     with pytest.raises(ValueError, match="recompute_ratio"):
         BlendConfig(recompute_ratio=1.5)
+    with pytest.raises(ValueError, match="head_tokens"):
+        BlendConfig(head_tokens=-1)

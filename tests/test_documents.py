@@ -74,6 +74,23 @@ def test_ratio_zero_is_concatenation_and_differs_from_full_prefill_kv(tiny_llama
     assert info.documents_reused == 2 and info.blend_recomputed == 1 and info.cached_tokens == 180
 
 
+def test_the_blend_recomputes_the_last_document_first(tiny_llama, tiny_tokenizer):
+    kvs = {}
+    for name, config in (("concat", BlendConfig(recompute_ratio=0.0)), ("last", BlendConfig(recompute_ratio=0.5)),
+                         ("deviation", BlendConfig(recompute_ratio=0.5, last_document=False))):  # fmt: skip
+        engine = _engine(tiny_llama, tiny_tokenizer, blend=config)
+        engine.store_documents(DOCS[:2])
+        prompt = _prompt(engine, "which one", [DOCS[1], DOCS[0]])
+        kvs[name], info = engine.prompt_kv(prompt)
+        assert info.documents_reused == 2
+    (s0, e0), (s1, e1) = prompt.documents
+    concat, last = kvs["concat"], kvs["last"]
+    # a budget of ceil(0.5 * 180) = 90 tokens is the whole last document: the first keeps its cached KV, bit for bit
+    assert torch.equal(last.keys[:, :, s0:e0], concat.keys[:, :, s0:e0]) and torch.equal(last.values[:, :, s0:e0], concat.values[:, :, s0:e0])
+    assert (last.values[-1, :, s1:e1] != concat.values[-1, :, s1:e1]).any(-1).any(0).all()  # every token of it recomputed
+    assert not torch.equal(kvs["deviation"].values[:, :, s0:e0], concat.values[:, :, s0:e0])  # deviation alone: both
+
+
 def test_the_prefix_before_the_documents_is_stored_and_reused_exactly(tiny_llama, tiny_tokenizer):
     engine = _engine(tiny_llama, tiny_tokenizer)
     lead = words(60, 100)

@@ -1,0 +1,306 @@
+"""What closes the blend's quality gap: variants of the selective recompute, measured on the same prompts.
+
+    python -m benchmarks.blend_ablation [--quick] [--prompts 4] [--variants NAME ...] [--out F]
+
+The prompts, the documents and the quality measure are ``benchmarks.rag_reuse``'s (``document_pool``,
+``build``, ``score``: 6 documents of 1024 tokens from a pool of 12 LongChat segments, the next 128
+real tokens of the last document's transcript teacher-forced; top-1 = argmax agreement with full
+prefill). Full prefill is computed once per prompt, each document's KV once per preamble (rounded
+through float16 as the ``raw`` stored form is), then every variant assembles the prompt's buffer
+as the engine does (exact instruction, documents moved into place with ``rope.shift_keys``), runs
+its recompute, prefills the question and is scored. No store, no timing: quality only.
+
+A variant is a :class:`Variant`; the recompute share counts every cached token recomputed from the
+check layer on (forced or picked) against ``ceil(ratio * cached)``; ``layer_share`` is the share of
+(region token, layer) pairs computed, the layer-0 pass and layers before the check included.
+The variant ``default`` runs ``blend.blend`` with ``BlendConfig()`` as ``DocumentCaches`` does
+(``name:engine=1,ratio=R``: ``blend.blend`` at ratio R, deviation only, as before the last document came first).
+
+One JSON line per (variant, prompt) (``"row": "prompt"``) and one summary per variant
+(``"row": "summary"``: ``ppl_rel_delta`` over all prompts' tokens as rag_reuse computes it,
+``top1_agreement`` mean over prompts, ``worst_top1``, ``recompute_share``, ``layer_share``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl
+from benchmarks.rag_reuse import INSTRUCTION, SEPARATOR, build, document_pool, score
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of assembling and repairing the prompt (see module doc).
+
+    ``ratio``: recompute budget (share of cached tokens); ``hkvd``: fill the budget with the tokens whose
+    layer-``check_layer`` KV deviates most (else only the forced ones); ``metric``: ``kv``, ``k`` or ``v``;
+    ``first``: the first tokens of each document always recomputed (EPIC's LegoLink); ``tail``: the last
+    tokens of the last document always recomputed; ``head``: its first tokens; ``per_doc``: the budget split over documents by size
+    rather than one global top-k; ``gradual``: pick ``gradual`` x the budget at the check layer and keep
+    the budget's worth at the next layer (CacheBlend's gradual filtering); ``backfill``: with a check layer
+    past 1, write the picked tokens' fresh KV of the layers before it too; ``preamble``: what each document
+    is computed after (``bos``, ``none``, or a key of ``PREAMBLES``); ``engine``: run ``blend.blend`` with
+    ``BlendConfig(recompute_ratio=ratio)`` (the shipped default) instead of this script's variant code.
+    """
+
+    name: str
+    ratio: float = 0.15
+    hkvd: bool = True
+    check_layer: int = 1
+    metric: str = "kv"
+    first: int = 0
+    tail: int = 0
+    head: int = 0
+    per_doc: bool = False
+    gradual: float = 0.0
+    backfill: bool = False
+    preamble: str = "bos"
+    engine: bool = False
+
+
+#: Content-independent texts a document can be computed after (besides the tokenizer's BOS).
+PREAMBLES = {
+    "sep": SEPARATOR,  # what separates documents in the prompts
+    "doc": "Document:\n",
+    "instr": INSTRUCTION,  # the application's own instruction (fixed, knows no document)
+}
+
+V = Variant
+STAGE1 = [
+    V("concat", ratio=0.0),
+    V("baseline"),
+    V("ratio-0.3", ratio=0.3),
+    V("first4", first=4), V("first16", first=16), V("first32", first=32),
+    V("first4-alone", hkvd=False, first=4), V("first16-alone", hkvd=False, first=16), V("first32-alone", hkvd=False, first=32),
+    V("check2", check_layer=2), V("check4", check_layer=4), V("check4-backfill", check_layer=4, backfill=True),
+    V("keys-only", metric="k"), V("values-only", metric="v"),
+    V("per-doc", per_doc=True),
+    V("tail64", tail=64), V("tail256", tail=256), V("tail256-alone", hkvd=False, tail=256),
+    V("gradual2", gradual=2.0),
+    V("pre-none", preamble="none"), V("pre-sep", preamble="sep"), V("pre-bos-sep", preamble="bos+sep"),
+    V("pre-bos-doc", preamble="bos+doc"), V("pre-instr", preamble="instr"),
+    V("concat-pre-instr", ratio=0.0, preamble="instr"),
+]  # fmt: skip
+QUICK = ["concat", "baseline", "first16", "tail64"]
+
+
+def preamble_ids(tok: Any, name: str) -> tuple[int, ...]:
+    """Token ids of a named preamble: ``bos``, ``none``, ``PREAMBLES`` keys, joined by ``+``."""
+    out: list[int] = []
+    for part in name.split("+"):
+        if part == "bos":
+            out.append(int(tok.bos_token_id))
+        elif part != "none":
+            out += tok(PREAMBLES[part], add_special_tokens=False)["input_ids"]
+    return tuple(out)
+
+
+def _deviation(k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, metric: str) -> torch.Tensor:
+    dev = torch.zeros(k.shape[1], dtype=torch.float32)
+    for new, old in [(k, old_k)] * (metric in ("kv", "k")) + [(v, old_v)] * (metric in ("kv", "v")):
+        old = old.float()
+        dev += (new.float() - old).pow(2).sum((0, 2)) / old.pow(2).sum((0, 2)).mean().clamp_min(1e-12)
+    return dev
+
+
+def _pick(dev: torch.Tensor, forced: torch.Tensor, n_pick: int, groups: list[torch.Tensor] | None) -> torch.Tensor:
+    """Indices (into ``dev``) of the forced rows and the ``n_pick`` others deviating most (per group: by size)."""
+    dev = dev.clone()
+    dev[forced] = -math.inf
+    free = ~forced
+    if groups is None or n_pick == 0:
+        top = torch.topk(dev, min(n_pick, int(free.sum()))).indices
+    else:
+        sizes = torch.tensor([int(free[g].sum()) for g in groups], dtype=torch.float64)
+        quota = (sizes * n_pick / sizes.sum()).floor().long()
+        for i in torch.argsort(sizes * n_pick / sizes.sum() - quota, descending=True)[: n_pick - int(quota.sum())]:
+            quota[i] += 1
+        top = torch.cat([g[torch.topk(dev[g], min(int(q), int(free[g].sum()))).indices] for g, q in zip(groups, quota)])
+    return torch.cat([forced.nonzero().flatten(), top]).unique().sort().values
+
+
+@torch.no_grad()
+def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int, cached: torch.Tensor,
+                  docs: list[tuple[int, int]], spec: Variant) -> tuple[int, int]:  # fmt: skip
+    """``blend.blend`` with the variant's knobs; returns (cached tokens recomputed, layer-token pairs computed)."""
+    from cachegen_core.engine.blend import _attend, _heads, _masks, _rope  # noqa: PLC0415
+
+    n = end - start
+    must = ~cached.clone()
+    for s, e in docs:
+        must[s - start : min(s + spec.first, e) - start] = True
+    s, e = docs[-1]
+    must[max(s, e - spec.tail) - start : e - start] |= spec.tail > 0
+    must[s - start : min(e, s + spec.head) - start] |= spec.head > 0
+    n_cached = int(cached.sum())
+    extra = int((must & cached).sum())
+    n_pick = max(0, math.ceil(spec.ratio * n_cached) - extra) if spec.hkvd and spec.ratio > 0 else 0
+    groups = [torch.arange(s - start, e - start) for s, e in docs] if spec.per_doc else None
+    inner = model.model
+    layers = len(inner.layers)
+    positions = torch.arange(start, end)
+    h = inner.embed_tokens(torch.tensor([ids[start:end]]))[0]
+    cos, sin = (t[0] for t in inner.rotary_emb(h[None], positions[None]))
+    rows = torch.arange(n)
+    masks = _masks(positions, end, 256)
+    check = min(spec.check_layer, layers - 2)
+    early: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pairs = 0
+    for li, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        k = _rope(_heads(attn.k_proj(x), attn.head_dim), cos, sin)
+        v = _heads(attn.v_proj(x), attn.head_dim)
+        kbuf, vbuf = buffer.keys[li], buffer.values[li]
+        if li < check:
+            f = must.nonzero().flatten()
+            kbuf[:, start + f], vbuf[:, start + f] = k[:, f], v[:, f]
+            if spec.backfill and li > 0:
+                early.append((k, v))
+        else:
+            narrow = li == check + 1 and spec.gradual > 0
+            if li == check or narrow:
+                if li == check:
+                    want = n_pick if spec.gradual <= 0 else min(n_cached, math.ceil(spec.gradual * n_pick))
+                    dev = _deviation(k, v, kbuf[:, start:end], vbuf[:, start:end], spec.metric)
+                    keep = _pick(dev, must, want, groups)
+                else:  # among the rows picked at the check layer, the budget's worth deviating most here
+                    dev = _deviation(k, v, kbuf[:, start + rows], vbuf[:, start + rows], spec.metric)
+                    sub = [torch.nonzero(torch.isin(rows, g)).flatten() for g in groups] if groups else None
+                    keep = _pick(dev, must[rows], n_pick, sub)
+                if li == check and spec.backfill:
+                    for lj, (ek, ev) in enumerate(early, start=1):
+                        buffer.keys[lj][:, start + keep] = ek[:, keep]
+                        buffer.values[lj][:, start + keep] = ev[:, keep]
+                rows = rows[keep]
+                h, x, k, v, cos, sin = h[keep], x[keep], k[:, keep], v[:, keep], cos[keep], sin[keep]
+                masks = _masks(positions[rows], end, 256)
+            kbuf[:, start + rows], vbuf[:, start + rows] = k, v
+        pairs += int(rows.numel())
+        q = _rope(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
+        o = _attend(q, kbuf[:, :end], vbuf[:, :end], masks, attn)
+        h = h + attn.o_proj(o.to(h.dtype))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return int(cached[rows].sum()), pairs
+
+
+def doc_kv(model: Any, pre: tuple[int, ...], doc: list[int]) -> Any:
+    """A document's KV computed after ``pre``, rounded through the 16-bit ``raw`` stored form."""
+    from cachegen_core.engine import hf  # noqa: PLC0415
+    from cachegen_core.kv import KVCache  # noqa: PLC0415
+
+    kv = hf.prefill(model, [*pre, *doc]).slice(len(pre))
+    r = lambda t: t.to(torch.float16 if t.abs().max() <= torch.finfo(torch.float16).max else torch.bfloat16).float()  # noqa: E731
+    return KVCache(r(kv.keys), r(kv.values))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_data_option(ap)
+    ap.add_argument("--docs", type=int, default=6)
+    ap.add_argument("--doc-tokens", type=int, default=1024)
+    ap.add_argument("--pool", type=int, default=12)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--continuation", type=int, default=128)
+    ap.add_argument("--variants", nargs="+", default=None, help="names of STAGE1 variants, or specs name:field=value,...")
+    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    ap.add_argument("--quick", action="store_true", help=f"2 prompts, variants {' '.join(QUICK)}")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.variants = 2, args.variants or QUICK
+    torch.set_num_threads(args.threads)
+
+    from cachegen_core.engine import hf  # noqa: PLC0415
+    from cachegen_core.engine.blend import BlendConfig, blend, blend_support, last_document_first  # noqa: PLC0415
+    from cachegen_core.engine.rope import shift_keys  # noqa: PLC0415
+    from cachegen_core.kv import KVCache  # noqa: PLC0415
+    from cachegen_core.segments import document_spans  # noqa: PLC0415
+
+    variants = [V("default", engine=True), *STAGE1]
+    if args.variants:
+        named = {v.name: v for v in variants}
+        chosen = []
+        for s in args.variants:
+            name, _, fields = s.partition(":")
+            base = named.get(name, V(name))
+            for kv in filter(None, fields.split(",")):
+                key, _, val = kv.partition("=")
+                typ = type(getattr(base, key))
+                base = dataclasses.replace(base, **{key: (val not in ("0", "false", "False")) if typ is bool else typ(val)})
+            chosen.append(base)
+        variants = chosen
+    model, tok = load(args.model)
+    model.eval()
+    rope = blend_support(model)
+    pool = document_pool(tok, read_jsonl(args.data, "prompt"), args.doc_tokens, args.continuation, args.pool)
+    rng = random.Random(1)  # rag_reuse's prompts: the same draws, in the same order
+    picks = [rng.sample(range(len(pool)), args.docs) for _ in range(args.prompts)]
+    docs_kv: dict[tuple[str, int], Any] = {}
+    out = open(args.out, "a") if args.out else None
+    refs = []
+    for p in picks:
+        prompt = build(tok, [pool[i][0] for i in p])
+        ids = list(prompt.ids)
+        nll, top = score(model, hf.prefill(model, ids[:-1]), ids[-1], pool[p[-1]][1])
+        refs.append((nll, top))
+        print(f"# reference: {len(ids)} tokens, nll/token {nll / args.continuation:.4f}", file=sys.stderr)
+    tally: dict[str, list[dict[str, Any]]] = {}
+    for v in variants:
+        pre = preamble_ids(tok, v.preamble)
+        for n, p in enumerate(picks):
+            prompt = build(tok, [pool[i][0] for i in p])
+            ids, spans = list(prompt.ids), list(document_spans(prompt))
+            start, end = spans[0][0], spans[-1][1]
+            geo = hf.kv_geometry(model.config)
+            buf = KVCache(torch.zeros(geo[0], geo[1], len(ids), geo[2]), torch.zeros(geo[0], geo[1], len(ids), geo[2]))
+            hf.prefill_into(model, ids[:start], buf, 0)
+            cached = torch.zeros(end - start, dtype=torch.bool)
+            for (s, e), i in zip(spans, p):
+                if (v.preamble, i) not in docs_kv:
+                    docs_kv[(v.preamble, i)] = doc_kv(model, pre, pool[i][0])
+                kv = KVCache(docs_kv[(v.preamble, i)].keys.clone(), docs_kv[(v.preamble, i)].values.clone())
+                shift_keys(kv.keys, s - len(pre), rope)
+                buf.slice(s, e).keys.copy_(kv.keys)
+                buf.slice(s, e).values.copy_(kv.values)
+                cached[s - start : e - start] = True
+            if v.engine:  # what DocumentCaches does with this config
+                cfg = BlendConfig() if v.name == "default" else BlendConfig(recompute_ratio=v.ratio, last_document=False)
+                first = last_document_first(spans, start, cached, cfg.recompute_ratio, cfg.head_tokens) if cfg.last_document else None
+                total = blend(model, ids, buf, start, end, cached, cfg.recompute_ratio, check_layer=cfg.check_layer,
+                              query_block=cfg.query_block, first=first)  # fmt: skip
+                recomputed, pairs = total - int((~cached).sum()), None
+            else:
+                recomputed, pairs = blend_variant(model, ids, buf, start, end, cached, spans, v)
+            hf.prefill_into(model, ids[end:-1], buf, end)
+            nll, top = score(model, buf.slice(0, len(ids) - 1), ids[-1], pool[p[-1]][1])
+            row = {"row": "prompt", "variant": v.name, "prompt": n, "nll": round(nll, 4),
+                   "ref_nll": round(refs[n][0], 4), "top1": round(float((top == refs[n][1]).float().mean()), 4),
+                   "recompute_share": round(recomputed / int(cached.sum()), 4),
+                   "layer_share": None if pairs is None else round(pairs / ((end - start) * len(model.model.layers)), 4)}  # fmt: skip
+            tally.setdefault(v.name, []).append(row)
+            emit(row, out)
+        rows = tally[v.name]
+        emit({"row": "summary", "variant": v.name, "spec": dataclasses.asdict(v), "prompts": len(rows),
+              "ppl_rel_delta": round(math.exp((sum(r["nll"] for r in rows) - sum(r["ref_nll"] for r in rows))
+                                              / (len(rows) * args.continuation)) - 1, 5),
+              "top1_agreement": round(statistics.mean(r["top1"] for r in rows), 4),
+              "worst_top1": min(r["top1"] for r in rows),
+              "recompute_share": round(statistics.mean(r["recompute_share"] for r in rows), 4),
+              "layer_share": None if rows[0]["layer_share"] is None else round(statistics.mean(r["layer_share"] for r in rows), 4)},
+             out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
