@@ -187,6 +187,8 @@ def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int,
                 masks = _masks(positions[rows], end, 256)
             kbuf[:, start + rows], vbuf[:, start + rows] = k, v
         pairs += int(rows.numel())
+        if not rows.numel():  # nothing selected (concatenation): no later layer computes anything
+            break
         q = _rope(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
         o = _attend(q, kbuf[:, :end], vbuf[:, :end], masks, attn)
         h = h + attn.o_proj(o.to(h.dtype))

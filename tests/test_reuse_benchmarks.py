@@ -49,3 +49,17 @@ def test_chat_reuse_rows(tiny_model_dir, data, tmp_path):
     assert rows[0]["cached_tokens"] == 0 and rows[0]["partial_bytes"] > 0
     for r in rows[1:]:
         assert r["recomputed_tokens"] <= r["added_tokens"] + 64 and r["store_requests"] >= 2
+
+
+def test_blend_ablation_rows(tiny_model_dir, data, tmp_path):
+    """The ablation runs end to end: concatenation recomputes nothing, a ratio of 1 is full prefill."""
+    from benchmarks import blend_ablation
+
+    out = tmp_path / "ablation.jsonl"
+    blend_ablation.main(["--model", tiny_model_dir, "--data", data, "--docs", "3", "--doc-tokens", "100", "--pool", "6",
+                         "--prompts", "2", "--continuation", "24", "--variants", "concat", "all:ratio=1", "--out", str(out)])  # fmt: skip
+    summary = {r["variant"]: r for r in _rows(out) if r["row"] == "summary"}
+    per_prompt = [r for r in _rows(out) if r["row"] == "prompt"]
+    assert set(summary) == {"concat", "all"} and len(per_prompt) == 4
+    assert all(r["recompute_share"] == 0 for r in per_prompt if r["variant"] == "concat")
+    assert summary["all"]["top1_agreement"] == 1 and abs(summary["all"]["ppl_rel_delta"]) < 1e-2
