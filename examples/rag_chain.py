@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{'cold':6} {cold[1]:>7} {cold[2]:>7} {cold[3]:>8.2f}\n"
           f"{'warm':6} {warm[1]:>7} {warm[2]:>7} {warm[3]:>8.2f}\n"
           f"warm TTFT is {cold[3] / warm[3]:.1f}x faster than cold" if warm[3] else "")
+    if cold[2]:  # the disk store persists in the user cache: an earlier run already stored these chunks
+        print(f"note: the first run was not cold: {cold[2]} tokens were already in the store from an earlier run "
+              f"(the default disk store lives in the user cache); `--store memory` starts from an empty store")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,16 @@ def test_rag_chain_reuses_the_documents_on_the_warm_run(tiny_model_dir, capsys):
     assert rows[0]["cached_tokens"] == 0 and rows[1]["cached_tokens"] >= 192
 
 
+def test_rag_chain_says_when_its_first_run_was_not_cold(tiny_model_dir, tmp_path, capsys):
+    """A persistent store still holds the chunks of an earlier run: the demo must not call that run cold silently."""
+    argv = ["--model", tiny_model_dir, "--store", str(tmp_path / "store"), "--doc-tokens", "200", "--chunk-tokens", "64",
+            "--max-new-tokens", "2"]  # fmt: skip
+    rag_chain.main(argv)
+    assert "was not cold" not in capsys.readouterr().out
+    rag_chain.main(argv)
+    assert "note: the first run was not cold" in capsys.readouterr().out
+
+
 def test_rag_documents_reuses_passages_retrieved_in_other_orders(tiny_model_dir, tmp_path, monkeypatch):
     from cachegen_core.testing import words  # noqa: PLC0415
 
