@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl
-from benchmarks.rag_reuse import INSTRUCTION, SEPARATOR, build, document_pool, score
+from benchmarks.common import emit, load, read_jsonl
+from benchmarks.rag_reuse import INSTRUCTION, SEPARATOR, add_prompt_options, build, document_pool, score
 
 
 @dataclass(frozen=True)
@@ -208,13 +208,7 @@ def doc_kv(model: Any, pre: tuple[int, ...], doc: list[int]) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
-    ap.add_argument("--docs", type=int, default=6)
-    ap.add_argument("--doc-tokens", type=int, default=1024)
-    ap.add_argument("--pool", type=int, default=12)
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--continuation", type=int, default=128)
+    add_prompt_options(ap, prompts=4)
     ap.add_argument("--variants", nargs="+", default=None, help="names of STAGE1 variants, or specs name:field=value,...")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--quick", action="store_true", help=f"2 prompts, variants {' '.join(QUICK)}")

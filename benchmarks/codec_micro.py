@@ -16,12 +16,10 @@ blob into a preallocated cache (checks, rANS, dequantisation, synthesis); ``rans
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, context_kv, emit, load, read_jsonl, setup_threads, transcript_ids
+from benchmarks.common import DEFAULT_MODEL, add_data_option, best_time, context_kv, emit, load, read_jsonl, setup_threads, transcript_ids
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,10 +69,10 @@ def main(argv: list[str] | None = None) -> None:
             p = codec.prepare(kv, level, start=start)
             payloads = codec.coder.encode(p.symbols, p.layout, p.freqs)
             codec.coder.decode(payloads, p.layout, p.freqs)
-            tot["enc"] += best(lambda: codec.encode(kv, level, start=start), args.reps)  # noqa: B023
-            tot["dec"] += best(lambda: codec.decode(blob, out=out), args.reps)  # noqa: B023
-            tot["renc"] += best(lambda: codec.coder.encode(p.symbols, p.layout, p.freqs), args.reps)  # noqa: B023
-            tot["rdec"] += best(lambda: codec.coder.decode(payloads, p.layout, p.freqs), args.reps)  # noqa: B023
+            tot["enc"] += best_time(lambda: codec.encode(kv, level, start=start), args.reps)[0]  # noqa: B023
+            tot["dec"] += best_time(lambda: codec.decode(blob, out=out), args.reps)[0]  # noqa: B023
+            tot["renc"] += best_time(lambda: codec.coder.encode(p.symbols, p.layout, p.freqs), args.reps)[0]  # noqa: B023
+            tot["rdec"] += best_time(lambda: codec.coder.decode(payloads, p.layout, p.freqs), args.reps)[0]  # noqa: B023
             tot["bits"] += 8 * len(blob)
             tot["el"] += kv.num_elements
             k, v = kv.keys.float(), kv.values.float()
@@ -107,16 +105,6 @@ def main(argv: list[str] | None = None) -> None:
                 **{k: round(v / tot["el"], 4) for k, v in breakdown.items() if k != "bits_per_element"},
             }
         )
-
-
-def best(fn: Callable[[], object], reps: int) -> float:
-    """The fastest of ``reps`` timed calls of ``fn``."""
-    times = []
-    for _ in range(max(1, reps)):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 if __name__ == "__main__":

@@ -35,19 +35,9 @@ from typing import Any, Callable, Iterator, TextIO
 
 import numpy as np
 
-from benchmarks.common import add_data_option, emit
+from benchmarks.common import add_data_option, best_time, emit
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, ideal_bits_per_stream
 from cachegen_core.config import CodecConfig
-
-
-def best_time(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
-    """Smallest wall time of ``reps`` calls, and the last result."""
-    best, out = float("inf"), None
-    for _ in range(reps):
-        t = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t)
-    return best, out
 
 
 def subset(layout: StreamLayout, max_symbols: int) -> StreamLayout:

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -47,6 +47,16 @@ def emit(record: dict[str, Any], out: Any = None) -> None:
     if out is not None:
         out.write(line + "\n")
         out.flush()
+
+
+def best_time(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+    """Smallest wall time of ``reps`` calls (at least one), and the last result."""
+    best, out = float("inf"), None
+    for _ in range(max(1, reps)):
+        t = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t)
+    return best, out
 
 
 def setup_threads() -> int:

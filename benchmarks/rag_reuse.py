@@ -39,6 +39,17 @@ SEPARATOR = "\n\n"
 QUESTION = "\n\nQuestion: how does the last record go on?\nAnswer:"
 
 
+def add_prompt_options(ap: argparse.ArgumentParser, prompts: int) -> None:
+    """The options that shape the prompts (model, data, documents, continuation), shared with ``blend_ablation``."""
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    add_data_option(ap)
+    ap.add_argument("--docs", type=int, default=6, help="documents per prompt")
+    ap.add_argument("--doc-tokens", type=int, default=1024)
+    ap.add_argument("--pool", type=int, default=12, help="documents the prompts draw from")
+    ap.add_argument("--prompts", type=int, default=prompts)
+    ap.add_argument("--continuation", type=int, default=128)
+
+
 def document_pool(tok: Any, texts: list[str], doc_tokens: int, continuation: int, size: int) -> list[tuple[list[int], list[int]]]:
     """Up to ``size`` (document ids, the ids that follow it) pairs: consecutive transcript segments."""
     pool = []
@@ -73,13 +84,7 @@ def score(model: Any, kv: Any, last: int, continuation: list[int]) -> tuple[floa
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
-    ap.add_argument("--docs", type=int, default=6, help="documents per prompt")
-    ap.add_argument("--doc-tokens", type=int, default=1024)
-    ap.add_argument("--pool", type=int, default=12, help="documents the prompts draw from")
-    ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--continuation", type=int, default=128)
+    add_prompt_options(ap, prompts=3)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3])
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--quick", action="store_true", help="2 prompts, ratios 0.15 only")

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, LONGCHAT, TRACES, add_data_option, emit, load, read_jsonl, setup_threads
+from benchmarks.common import DEFAULT_MODEL, LONGCHAT, TRACES, add_data_option, best_time, emit, load, read_jsonl, setup_threads
 from cachegen_core.streaming import TEXT, ChunkCost, choose, make_estimator
 
 
@@ -201,15 +201,9 @@ def whole_decode_7b(config: Any, tokens: int) -> dict[int, float]:
     for lv in codec.levels:
         blob = codec.encode(kv, lv)
         codec.decode(blob)  # warm-up
-        out[lv] = min(_timed(lambda b=blob: codec.decode(b)) for _ in range(2))
+        out[lv] = best_time(lambda b=blob: codec.decode(b), 2)[0]
         print(f"# 7B-shaped chunk, level {lv}: whole decode {out[lv]:.2f} s on this machine", file=sys.stderr)
     return out
-
-
-def _timed(fn: Any) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def quality_of(path: Path, context_tokens: int) -> dict[Any, float]:

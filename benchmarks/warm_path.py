@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl, setup_threads
+from benchmarks.common import DEFAULT_MODEL, add_data_option, best_time, emit, load, read_jsonl, setup_threads
 from cachegen_core.chunks import chunk_keys
 from cachegen_core.engine import KVEngine, hf
 from cachegen_core.engine.attention import use_gqa_attention
@@ -206,14 +206,8 @@ def rans_rate(engine: KVEngine, kv: KVCache) -> float:
     p = codec.prepare(kv, codec.config.default_level)
     payloads = codec.coder.encode(p.symbols, p.layout, p.freqs)
     codec.coder.decode(payloads, p.layout, p.freqs)  # warm-up: tables converted and cached
-    best = min(_timed(lambda: codec.coder.decode(payloads, p.layout, p.freqs)) for _ in range(3))
+    best = best_time(lambda: codec.coder.decode(payloads, p.layout, p.freqs), 3)[0]
     return p.layout.n_symbols / best
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 # ------------------------------------------------------------------ the run

@@ -35,7 +35,7 @@ def empty_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device 
     pages). Where the kernel has no huge pages the advice is ignored and this is plain memory.
     """
     dev = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if dev.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(tuple(shape), dtype=dtype, device=dev)
     region = mmap.mmap(-1, nbytes)
@@ -117,7 +117,7 @@ class KVCache:
 
     def nbytes(self, dtype: torch.dtype | None = None) -> int:
         """Size in bytes of keys and values as ``dtype`` (default: their own)."""
-        itemsize = torch.empty((), dtype=dtype or self.dtype).element_size()
+        itemsize = (dtype or self.dtype).itemsize
         return self.num_elements * itemsize
 
     def to(self, *args: Any, **kwargs: Any) -> "KVCache":

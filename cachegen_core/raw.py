@@ -94,7 +94,7 @@ class RawCodec:
         c = unpack(blob, self.limits, views=True)
         shape, dtype = self._check(c.header, option, len(c.streams))
         layers, heads, tokens, dim = shape
-        per_layer = heads * tokens * dim * torch.empty((), dtype=dtype).element_size()
+        per_layer = heads * tokens * dim * dtype.itemsize
         if any(len(s) != per_layer for s in c.streams):
             raise CacheGenFormatError(f"raw substreams must hold {per_layer} bytes each for shape {list(shape)}")
         return RawChecked(blob, option, shape, dtype)
