@@ -20,7 +20,7 @@ setup(
         Extension(
             "cachegen_core._native",
             sources=["csrc/rans_cpu.cpp", "csrc/kv_fused.cpp"],
-            depends=["csrc/rans_core.h", "csrc/rans_cpu_impl.h"],
+            depends=["csrc/rans_core.h", "csrc/rans_cpu_impl.h", "csrc/kv_core.h"],
             include_dirs=["csrc"],
             language="c++",
             # no fused multiply-add: the fused KV decoder rounds exactly as the reference dequantiser

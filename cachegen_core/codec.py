@@ -23,12 +23,12 @@ from .config import CodecConfig
 from .errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
 from .kv import KVCache, KVShapeError, all_finite
-from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name
-from .pipeline import components, exact_tokens, magnitude_bound, quantise, synthesise_parts
+from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name, side_info
+from .pipeline import components, exact_part, exact_tokens, magnitude_bound, quantise, synthesise_parts
 from .profile import Profile, TableLayout
-from .quantize import ALPHABET, OFFSET, RADIUS, dequantize, from_bf16_bits
+from .quantize import OFFSET, RADIUS, dequantize
 from .rotary import RotarySpec
-from .substreams import ChunkGeometry, flatten_symbols, inline_tables, n_inline_tables, stream_layout, unflatten_symbols
+from .substreams import ChunkGeometry, flatten_symbols, inline_tables, stream_layout, unflatten_symbols
 from .transform import Transform, identity_transform
 
 class KVCodec:
@@ -304,13 +304,29 @@ class KVCodec:
         mean, step, exact, freqs = self._side_info(h, c, geo)
         layout = stream_layout(geo, h.level, self._tables)
         native = device.type == "cpu" and fused.supports(h.coder)
+        lengths = [len(p) for p in c.streams]
         if native:
             layout.validate(freqs.shape[0])
-            comps = fused.decode_components(blob, [len(p) for p in c.streams], layout.offsets, layout.table_ids, freqs,
-                                            geo, step)  # fmt: skip
+            if out is None:
+                out = KVCache(*(torch.empty(h.shape, dtype=h.dtype) for _ in range(2)))
+            if not self._fitted and fused.writes_kv(out, h.dtype) and not self._may_overflow(h, mean, step, exact, out):
+                cs = self.rotary.cos_sin(start + tokens - geo.coded_tokens, geo.coded_tokens) if self.rotary else None
+                fused.decode_kv(blob, lengths, layout, freqs, geo, step, mean, cs, out)
+                for kind, dst in enumerate((out.keys, out.values)):  # the exact sink tokens
+                    ex = exact_part(exact, kind, start=start, encoded_start=h.start, rotary=self.rotary)
+                    dst[:, :, : ex.shape[2]].copy_(ex)
+                return out
+            comps = fused.decode_components(blob, lengths, layout.offsets, layout.table_ids, freqs, geo, step)
         else:
             comps = self._components_torch(h, geo, step, freqs, layout, c, device)
         return self._synthesise(h, comps, mean.to(comps.device), step.to(comps.device), exact.to(comps.device), start, out)
+
+    def _may_overflow(self, h: BlobHeader, mean: torch.Tensor, step: torch.Tensor, exact: torch.Tensor, out: KVCache) -> bool:
+        """Whether the parameters' bound (``pipeline.magnitude_bound``) lets decoded values reach the blob's or
+        ``out``'s dtype range: only then is the output scanned (the torch path)."""
+        limit = min(torch.finfo(h.dtype).max, torch.finfo(out.dtype).max)
+        transform = self._transform(h.shape[0], h.shape[1], h.shape[3])
+        return magnitude_bound(transform, mean, step, exact, self.rotary) * 1.001 >= limit
 
     def _components_torch(self, h: BlobHeader, geo: ChunkGeometry, step: torch.Tensor, freqs: np.ndarray,
                           layout: StreamLayout, c: Container, device: torch.device) -> torch.Tensor:  # fmt: skip
@@ -337,8 +353,7 @@ class KVCodec:
         transform = self._transform(layers, heads, dim)
         if out is None:
             out = KVCache(*(torch.empty(h.shape, dtype=h.dtype, device=comps.device) for _ in range(2)))
-        limit = min(torch.finfo(h.dtype).max, torch.finfo(out.dtype).max)
-        checked = magnitude_bound(transform, mean, step, exact, self.rotary) * 1.001 >= limit
+        checked = self._may_overflow(h, mean, step, exact, out)
         parts = synthesise_parts(comps, mean, exact, transform, start=start, encoded_start=h.start, rotary=self.rotary)
         for (ex, body), dst in zip(parts, (out.keys, out.values)):
             n = ex.shape[2]
@@ -362,28 +377,7 @@ class KVCodec:
         except KeyError:
             raise CacheGenFormatError(f"blob was written by coder {coder!r}, not available here") from None
 
-    def _side_info(
-        self, h: BlobHeader, c: Container, geo: ChunkGeometry
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
-        """The checked chunk means and steps (float32 ``(2, layers, heads, dim)``), exact tokens
-        (float32 ``(2, layers, heads, n, dim)``) and the frequency tables."""
-        layers, heads, tokens, dim = h.shape
-        n_exact = tokens - geo.coded_tokens
-        expected = {"mean": ((2, layers, heads, dim), np.uint16), "step": ((2, layers, heads, dim), np.uint16)}
-        if n_exact:
-            expected["exact"] = ((2, layers, heads, n_exact, dim), np.float32)
-        if h.tables == "inline":
-            expected["tables"] = ((n_inline_tables(layers), ALPHABET), np.uint16)
-        got = {k: (v.shape, v.dtype) for k, v in c.sections.items()}
-        if set(got) != set(expected) or any(got[k][0] != shape or got[k][1] != dt for k, (shape, dt) in expected.items()):
-            raise CacheGenFormatError(f"sections {got} do not match the expected {expected}")
-        mean, step = (from_bf16_bits(torch.from_numpy(c.sections[k].astype(np.int32))) for k in ("mean", "step"))
-        exact = torch.from_numpy(c.sections["exact"]) if n_exact else torch.zeros(2, layers, heads, 0, dim)
-        if not (torch.isfinite(mean).all() and torch.isfinite(step).all() and torch.isfinite(exact).all()):
-            raise CacheGenFormatError("non-finite quantisation parameters or exact tokens")
-        if not (step > 0).all():
-            raise CacheGenFormatError("quantisation steps must be positive")
-        freqs = c.sections["tables"].astype(np.uint32) if h.tables == "inline" else self.profile.freqs  # type: ignore[union-attr]
-        return mean, step, exact, freqs
-
-
+    def _side_info(self, h: BlobHeader, c: Container, geo: ChunkGeometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
+        """The checked mean, step, exact tokens and tables of a blob (``blob.side_info``)."""
+        info = side_info(h, c, geo, self.profile.freqs if self.profile is not None else None)
+        return info.mean, info.step, info.exact, info.freqs

@@ -1,11 +1,18 @@
-"""Native decoding of a chunk's components: entropy decoding and dequantisation in one C++ pass (``csrc/kv_fused.cpp``).
+"""Native decoding of a chunk in one threaded C++ pass (``csrc/kv_fused.cpp``): entropy decoding and
+dequantisation, and without a per-head transform the whole reconstruction.
 
-Each substream (a block of tokens) is decoded by one thread and its symbols are written
-straight out as float32 components ``(s - 128) * step`` into a ``(2, layers, heads,
-coded_tokens, dim)`` tensor: no symbol array and no torch pass over symbols. The arithmetic
-is the reference dequantiser's (one rounding), so the result is bit-identical to
-``KVCodec``'s torch path; the per-head synthesis, the mean, the rotary embedding and the
-output dtype are then the same torch code on both paths (``pipeline.synthesise_parts``).
+Each substream (a block of tokens) is decoded by one thread, with no symbol array and no
+torch pass over symbols. Two entry points:
+
+- ``decode_kv`` (a codec without a profile): every element's ``(s - 128) * step + mean``, the
+  keys' rotary embedding and the rounding to the output dtype (``csrc/kv_core.h``), written
+  straight into the caller's KV tensors (a slice of a prompt's buffer): the KV in one pass;
+- ``decode_components``: float32 components ``(s - 128) * step`` into a ``(2, layers, heads,
+  coded_tokens, dim)`` tensor, for the per-head synthesis of a profile's transform in torch
+  (``pipeline.synthesise_parts``).
+
+The arithmetic is the torch reference's, one rounding per operation in the same order, so
+both are bit-identical to ``KVCodec``'s torch path (``tests/test_fused.py``).
 """
 
 from __future__ import annotations
@@ -15,12 +22,15 @@ import os
 import numpy as np
 import torch
 
-from .coders import native_lib
+from .coders import StreamLayout, native_lib
 from .coders.native_lib import CODER_NAME, cached_tables, describe, ptr
 from .errors import CacheGenFormatError, CoderError
-from .kv import empty_tensor
+from .kv import KVCache, empty_tensor
 from .quantize import OFFSET, RADIUS
 from .substreams import ChunkGeometry
+
+#: Output dtypes ``decode_kv`` writes (``CG_OUT_*`` of ``csrc/kv_core.h``).
+OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def supports(coder: str) -> bool:
@@ -71,3 +81,66 @@ def decode_components(
             raise CacheGenFormatError(f"{where}symbol out of range")
         raise CoderError(f"native fused decode failed: {where}{describe(code)}")
     return out
+
+
+def writes_kv(out: KVCache, blob_dtype: torch.dtype) -> bool:
+    """Whether ``decode_kv`` can write a blob of ``blob_dtype`` into ``out``: CPU tensors of that same dtype
+    (one rounding, as the reference), with the same strides and contiguous head vectors."""
+    k, v = out.keys, out.values
+    return (
+        k.device.type == "cpu" and k.dtype == blob_dtype and v.dtype == k.dtype and k.dtype in OUT_DTYPES
+        and k.stride() == v.stride() and k.stride(3) == 1 and v.device.type == "cpu"
+    )  # fmt: skip
+
+
+def decode_kv(
+    blob: bytes | memoryview,
+    lengths: list[int],
+    layout: StreamLayout,
+    freqs: np.ndarray,
+    geo: ChunkGeometry,
+    step: torch.Tensor,
+    mean: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+    out: KVCache,
+    *,
+    threads: int | None = None,
+) -> None:
+    """Decode a blob's substreams (its last ``sum(lengths)`` bytes, checksums already verified) into the
+    coded tokens of ``out`` (its last ``geo.coded_tokens`` tokens; ``writes_kv(out, ...)`` must hold).
+
+    ``step``, ``mean``: float32 ``(2, layers, heads, dim)``; ``cos_sin``: float32 ``(coded_tokens,
+    dim)`` cos and sin of the coded tokens' positions (``RotarySpec.cos_sin``), or None for keys
+    stored as they are. Values that ``pipeline.magnitude_bound`` cannot keep within ``out``'s
+    dtype must not be decoded here (nothing is scanned).
+    """
+    lib = native_lib.cpu_library()
+    t = cached_tables(freqs)
+    data = np.frombuffer(blob, dtype=np.uint8)
+    data = data[len(data) - sum(lengths) :] if sum(lengths) else np.zeros(1, dtype=np.uint8)
+    in_off = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=in_off[1:])
+    steps, means = (np.ascontiguousarray(x.float().reshape(-1).numpy()) for x in (step, mean))
+    cos, sin = (np.ascontiguousarray(x.float().numpy()) for x in cos_sin) if cos_sin is not None else (None, None)
+    if cos is not None and cos.shape != (geo.coded_tokens, geo.dim):
+        raise ValueError(f"cos/sin must be ({geo.coded_tokens}, {geo.dim}), got {cos.shape}")
+    status = np.zeros(max(1, len(lengths)), dtype=np.int32)
+    offsets = np.ascontiguousarray(layout.offsets, dtype=np.int64)
+    tids = np.ascontiguousarray(layout.table_ids, dtype=np.int32)
+    k = out.keys
+    if tuple(k.shape) != (geo.layers, geo.heads, k.shape[2], geo.dim) or k.shape[2] < geo.coded_tokens:
+        raise ValueError(f"out of shape {tuple(k.shape)} cannot hold this chunk")
+    err = lib.cg_decode_kv(
+        ptr(data), ptr(in_off), len(lengths), ptr(offsets), ptr(tids), tids.shape[1], ptr(t.info), ptr(t.lut), t.lut_bits,
+        t.n_tables, t.alphabet, geo.layers, geo.heads, geo.dim, geo.coded_tokens, OFFSET - RADIUS, ptr(steps), ptr(means),
+        ptr(cos) if cos is not None else None, ptr(sin) if sin is not None else None, k.data_ptr(), out.values.data_ptr(),
+        OUT_DTYPES[k.dtype], k.stride(0), k.stride(1), k.stride(2), k.shape[2] - geo.coded_tokens, ptr(status),
+        threads or os.cpu_count() or 1,
+    )  # fmt: skip
+    if err:
+        bad = np.flatnonzero(status[: len(lengths)])
+        where = f"substream {int(bad[0])}: " if bad.size else ""
+        code = int(status[bad[0]]) if bad.size else err
+        if code == -6:
+            raise CacheGenFormatError(f"{where}symbol out of range")
+        raise CoderError(f"native fused decode failed: {where}{describe(code)}")

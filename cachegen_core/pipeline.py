@@ -112,13 +112,19 @@ def synthesise_parts(
     out = []
     for kind in range(2):
         body = transform.synthesise(comps[kind], kind) + mean[kind].to(dev)[:, :, None, :]
-        ex = exact[kind].to(dev)
+        ex = exact_part(exact, kind, start=start, encoded_start=encoded_start, rotary=rotary).to(dev)
         if kind == 0 and rotary is not None:
-            if start != encoded_start and ex.shape[2]:
-                ex = rotary.rotate(rotary.unrotate(ex, encoded_start), start)
             body = rotary.rotate(body, start + ex.shape[2])
         out.append((ex, body))
     return out
+
+
+def exact_part(exact: torch.Tensor, kind: int, *, start: int, encoded_start: int, rotary: RotarySpec | None) -> torch.Tensor:
+    """The exact tokens of ``kind`` (``exact`` as in ``Coded``), keys moved from ``encoded_start`` to ``start``."""
+    ex = exact[kind]
+    if kind == 0 and rotary is not None and start != encoded_start and ex.shape[2]:
+        ex = rotary.rotate(rotary.unrotate(ex, encoded_start), start)
+    return ex
 
 
 def synthesise(

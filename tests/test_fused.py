@@ -7,7 +7,7 @@ from cachegen_core import fused
 from cachegen_core.codec import KVCodec
 from cachegen_core.coders import native_lib
 from cachegen_core.config import CodecConfig
-from cachegen_core.errors import CacheGenFormatError
+from cachegen_core.errors import CacheGenFormatError, CoderError
 from cachegen_core.format import unpack
 from cachegen_core.kv import KVCache
 from cachegen_core.pipeline import magnitude_bound
@@ -26,16 +26,75 @@ def torch_path(codec: KVCodec, blob: bytes) -> KVCache:
     return codec._synthesise(h, comps, mean, step, exact, h.start, None)
 
 
+def torch_path_at(codec: KVCodec, blob: bytes, start: int) -> KVCache:
+    """``torch_path`` with the keys moved to ``start``."""
+    c = unpack(blob, codec.limits, views=True)
+    h = codec.check_header(c.header, len(blob))
+    geo = codec._geometry(h.shape[0], h.shape[1], h.shape[2], h.shape[3], h.start)
+    mean, step, exact, freqs = codec._side_info(h, c, geo)
+    comps = codec._components_torch(h, geo, step, freqs, stream_layout(geo, h.level, codec._tables), c, torch.device("cpu"))
+    return codec._synthesise(h, comps, mean, step, exact, start, None)
+
+
+@pytest.fixture
+def kv_path_only(monkeypatch):
+    """Decoding must take ``fused.decode_kv`` (the whole reconstruction in C++), not the components path."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decode_components used where decode_kv should write the KV")
+
+    monkeypatch.setattr(fused, "decode_components", refuse)
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["keys-as-they-are", "rotary"])
 @pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(sink_tokens=0), CodecConfig(sink_tokens=4, step_cap=2.0),
                                     CodecConfig(stream_symbols=700)], ids=["default", "no-sink", "sink4-capped", "many-streams"])
-def test_bit_exact_with_the_torch_path_at_every_level(tiny_kv, config):
-    codec = KVCodec(config)
+def test_bit_exact_with_the_torch_path_at_every_level(tiny_kv, tiny_llama, config, rotary, kv_path_only):
+    codec = KVCodec(config, rotary=RotarySpec.from_model(tiny_llama) if rotary else None)
     for kv, start in ((tiny_kv, 0), (tiny_kv.slice(0, 1), 0), (tiny_kv.slice(3, 14), 3), (tiny_kv.slice(3, 14), 0)):
         for level in codec.levels:
             blob = codec.encode(kv, level, start=start)
             ref = torch_path(codec, blob)
             got = codec.decode(blob)
             assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
+            if rotary:  # keys moved to other positions (a document cache landing elsewhere)
+                for at in (0, start + 9, 1000):
+                    ref, got = torch_path_at(codec, blob, at), codec.decode(blob, start=at)
+                    assert torch.equal(got.keys, ref.keys) and torch.equal(got.values, ref.values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_kv_decoder_writes_a_slice_in_the_blobs_dtype_bit_exact(tiny_kv, tiny_llama, dtype, kv_path_only):
+    codec = KVCodec(CodecConfig(sink_tokens=2), rotary=RotarySpec.from_model(tiny_llama))
+    kv = KVCache(tiny_kv.keys.to(dtype), tiny_kv.values.to(dtype)).slice(0, 40)
+    for level in codec.levels:
+        blob = codec.encode(kv, level)
+        ref = torch_path(codec, blob)
+        buf = KVCache(torch.full((3, 2, 100, 16), 7.0, dtype=dtype), torch.full((3, 2, 100, 16), 7.0, dtype=dtype))
+        out = buf.slice(30, 70)
+        assert codec.decode(blob, out=out) is out
+        assert torch.equal(out.keys, ref.keys) and torch.equal(out.values, ref.values)
+        assert (buf.keys[:, :, :30] == 7).all() and (buf.values[:, :, 70:] == 7).all()  # nothing outside the slice
+
+
+def test_the_kv_decoder_refuses_inconsistent_arguments(tiny_kv):
+    codec = KVCodec()
+    blob = codec.encode(tiny_kv, 1)
+    c = unpack(blob, codec.limits, views=True)
+    h = codec.check_header(c.header, len(blob))
+    geo = codec._geometry(*h.shape, h.start)
+    mean, step, _, freqs = codec._side_info(h, c, geo)
+    layout = stream_layout(geo, h.level, codec._tables)
+    lengths = [len(p) for p in c.streams]
+    out = KVCache(torch.empty(h.shape), torch.empty(h.shape))
+    short = type(layout)(layout.offsets - geo.period * (layout.offsets > 0), layout.table_ids)  # one token too few
+    with pytest.raises(CoderError, match="inconsistent arguments"):
+        fused.decode_kv(blob, lengths, short, freqs, geo, step, mean, None, out)
+    with pytest.raises(ValueError, match="cos/sin"):
+        fused.decode_kv(blob, lengths, layout, freqs, geo, step, mean, (torch.ones(3, 16), torch.ones(3, 16)), out)
+    fused.decode_kv(blob, lengths, layout, freqs, geo, step, mean, None, out)  # the same call, consistent: decodes
+    n_exact = h.shape[2] - geo.coded_tokens  # the sink tokens are the caller's to write
+    assert torch.equal(out.values[:, :, n_exact:], torch_path(codec, blob).values[:, :, n_exact:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -96,6 +96,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cg_encode": ([p, p, i32, p, i32, p, i32, i32, p, p, p, i32], ctypes.c_int),
         "cg_decode": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, p, p, i32], ctypes.c_int),
         "cg_decode_components": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i64, i32, p, p, p, i32], ctypes.c_int),
+        "cg_decode_kv": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i32, i32, i64, i32, p, p, p, p, p, p, i32,
+                          i64, i64, i64, i64, p, i32], ctypes.c_int),
     }
     for fn, (args, res) in signatures.items():
         getattr(lib, fn).argtypes = args

@@ -1,0 +1,36 @@
+// Reconstruction of a v2 KV element without a per-head transform (a codec without a profile),
+// shared by the CPU decoder (kv_fused.cpp) and any device decoder: everything marked CG_HD
+// compiles for host and device. The float operations and their order are those of the torch
+// reference (pipeline.synthesise_parts, rotary.rotate), one rounding each, so every decoder
+// built with -ffp-contract=off (nvcc: --fmad=false) writes bit-identical KV:
+//
+//     c = (float)(s - 128) * step               dequantised component
+//     x = c + mean                              the chunk mean added back
+//     key[d] = x[d] * cos[d] + r[d] * sin[d]    rotary embedding, r = rotate_half(x):
+//                                               r[d] = -x[d + half] (d < half), x[d - half]
+//
+// and the result is rounded once to the output dtype (float32, bfloat16 or float16).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#include "rans_core.h"
+
+enum { CG_OUT_F32 = 0, CG_OUT_BF16 = 1, CG_OUT_F16 = 2 };
+
+CG_HD float cg_dequant(uint32_t symbol, float step) { return (float)((int32_t)symbol - 128) * step; }
+
+// float32 -> bfloat16 bits, round to nearest even (NaN kept a quiet NaN), as torch converts.
+CG_HD uint16_t cg_bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+// Rotary embedding of element d of a head vector x (head_dim = 2 * half), torch's order of operations.
+CG_HD float cg_rotate(const float* x, int32_t d, int32_t half, float cos_d, float sin_d) {
+    const float r = d < half ? -x[d + half] : x[d - half];
+    return x[d] * cos_d + r * sin_d;
+}
