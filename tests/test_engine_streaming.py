@@ -90,3 +90,22 @@ def test_prefill_speed_prior_is_replaced_by_the_first_measurement(tiny_llama, ti
     assert e.cost_model.prefill_measured and first < 0.7 * prior  # the tiny model takes well under 1.4 ms a token: a blend with the prior could not
     e.cost_model.observe_prefill(first + 1.0)  # later measurements move it smoothly
     assert e.cost_model.prefill_s_per_token == first + 0.3
+
+
+def test_levels_decode_straight_into_the_prompts_buffer(tiny_llama, tiny_tokenizer, monkeypatch):
+    e = engine(tiny_llama, tiny_tokenizer, MemoryStore(), allow_text=False)
+    prompt = words(5, 2 * CHUNK + 5)
+    want, _ = e.generate(prompt, max_new_tokens=4)
+    outs = []
+    decode = e.codec.decode
+
+    def spy(blob, *args, out=None, **kwargs):
+        outs.append(out)
+        return decode(blob, *args, out=out, **kwargs)
+
+    monkeypatch.setattr(e.codec, "decode", spy)
+    got, info = e.generate(prompt, max_new_tokens=4)
+    assert info.levels == [0, 0] and len(outs) == 2  # both chunks streamed as a level
+    assert all(o is not None and o.num_tokens == CHUNK for o in outs)  # slices of the request's buffer: no copy
+    assert outs[1].keys.data_ptr() - outs[0].keys.data_ptr() == CHUNK * outs[0].keys.stride(2) * outs[0].keys.element_size()
+    assert got == want == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 4)

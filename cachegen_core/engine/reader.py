@@ -152,7 +152,8 @@ class ChunkReader:
             except KVShapeError as e:
                 raise CacheGenFormatError(f"chunk {key[:12]}: {e}") from None
         else:
-            kv = self.codec.decode(blob, level=option, device=self.decode_device)  # type: ignore[arg-type]
+            fits = out is not None and isinstance(blob, Checked) and out.shape == blob.header.shape
+            kv = self.codec.decode(blob, level=option, device=self.decode_device, out=out if fits else None)  # type: ignore[arg-type]
         if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != self.geometry:  # checksums say nothing of a forged shape
             raise CacheGenFormatError(f"chunk {key[:12]} decoded to KV of shape {kv.shape}, the model's is "
                                       f"(layers, kv heads, head dim) = {self.geometry}")  # fmt: skip
@@ -243,7 +244,8 @@ class ChunkReader:
         batch_info = infos[0] if len(infos) == 1 else GenerationInfo()
         try:
             records = stream_batch([[c.key for c in run] for run in runs], cost, fetch=self.fetch, decode=decode,
-                                   on_text=on_text, controller=controller, estimator=estimator).plan.records  # fmt: skip
+                                   on_text=on_text, controller=controller, estimator=estimator,
+                                   overlapped_samples=not getattr(self.store, "local", False)).plan.records  # fmt: skip
         except StreamFailure as f:
             self._failed(batch_info, f)
             records = f.partial.trace

@@ -85,6 +85,11 @@ class SignedStore:
     def namespace(self) -> str:
         return self.inner.namespace
 
+    @property
+    def local(self) -> bool:
+        """Whether the wrapped store lives on this machine (see ``BaseKVStore.local``)."""
+        return bool(getattr(self.inner, "local", False))
+
     def _check(self, store_key: str, stored: bytes | None) -> bytes | None:
         if stored is None:
             return None
