@@ -304,19 +304,26 @@ class KVCodec:
         mean, step, exact, freqs = self._side_info(h, c, geo)
         layout = stream_layout(geo, h.level, self._tables)
         native = device.type == "cpu" and fused.supports(h.coder)
-        lengths = [len(p) for p in c.streams]
         if native:
             layout.validate(freqs.shape[0])
-            if out is None:
-                out = KVCache(*(torch.empty(h.shape, dtype=h.dtype) for _ in range(2)))
-            if not self._fitted and fused.writes_kv(out, h.dtype) and not self._may_overflow(h, mean, step, exact, out):
-                cs = self.rotary.cos_sin(start + tokens - geo.coded_tokens, geo.coded_tokens) if self.rotary else None
-                fused.decode_kv(blob, lengths, layout, freqs, geo, step, mean, cs, out)
-                for kind, dst in enumerate((out.keys, out.values)):  # the exact sink tokens
-                    ex = exact_part(exact, kind, start=start, encoded_start=h.start, rotary=self.rotary)
-                    dst[:, :, : ex.shape[2]].copy_(ex)
-                return out
-            comps = fused.decode_components(blob, lengths, layout.offsets, layout.table_ids, freqs, geo, step)
+        gpu = self._decoder(h.coder, device) if device.type == "cuda" else None
+        fusable = not self._fitted and (native or fused.fuses_on(gpu, dim, self.rotary is not None))
+        if fusable and out is None:
+            out = KVCache(*(torch.empty(h.shape, dtype=h.dtype, device=device) for _ in range(2)))
+        if fusable and fused.writes_kv(out, h.dtype, device) and not self._may_overflow(h, mean, step, exact, out):  # type: ignore[arg-type]
+            cs = self.rotary.cos_sin(start + tokens - geo.coded_tokens, geo.coded_tokens, device) if self.rotary else None
+            if native:
+                fused.decode_kv(blob, [len(p) for p in c.streams], layout, freqs, geo, step, mean, cs, out)
+            else:
+                fused.decode_kv_on(gpu, c.streams, layout, freqs, geo, step, mean, cs, out)
+            for kind, dst in enumerate((out.keys, out.values)):  # the exact sink tokens
+                dst[:, :, : tokens - geo.coded_tokens].copy_(exact_part(exact, kind, start=start, encoded_start=h.start, rotary=self.rotary))
+            if gpu is not None:  # the fused kernel checked against the torch path once per device
+                fused.verify_once(device, out, lambda: self._synthesise(h, self._components_torch(h, geo, step, freqs, layout, c, device),
+                                                                         mean.to(device), step.to(device), exact.to(device), start, None))  # fmt: skip
+            return out
+        if native:
+            comps = fused.decode_components(blob, [len(p) for p in c.streams], layout.offsets, layout.table_ids, freqs, geo, step)
         else:
             comps = self._components_torch(h, geo, step, freqs, layout, c, device)
         return self._synthesise(h, comps, mean.to(comps.device), step.to(comps.device), exact.to(comps.device), start, out)

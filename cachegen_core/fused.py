@@ -17,7 +17,10 @@ both are bit-identical to ``KVCodec``'s torch path (``tests/test_fused.py``).
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,6 +31,8 @@ from .errors import CacheGenFormatError, CoderError
 from .kv import KVCache, empty_tensor
 from .quantize import OFFSET, RADIUS
 from .substreams import ChunkGeometry
+
+log = logging.getLogger(__name__)
 
 #: Output dtypes ``decode_kv`` writes (``CG_OUT_*`` of ``csrc/kv_core.h``).
 OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -83,14 +88,52 @@ def decode_components(
     return out
 
 
-def writes_kv(out: KVCache, blob_dtype: torch.dtype) -> bool:
-    """Whether ``decode_kv`` can write a blob of ``blob_dtype`` into ``out``: CPU tensors of that same dtype
-    (one rounding, as the reference), with the same strides and contiguous head vectors."""
+def writes_kv(out: KVCache, blob_dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> bool:
+    """Whether a KV decoder on ``device`` can write a blob of ``blob_dtype`` into ``out``: tensors there of that
+    same dtype (one rounding, as the reference), with the same strides and contiguous head vectors."""
     k, v = out.keys, out.values
     return (
-        k.device.type == "cpu" and k.dtype == blob_dtype and v.dtype == k.dtype and k.dtype in OUT_DTYPES
-        and k.stride() == v.stride() and k.stride(3) == 1 and v.device.type == "cpu"
+        k.device == v.device and k.device.type == device.type and (device.index is None or k.device == device)
+        and k.dtype == blob_dtype and v.dtype == k.dtype and k.dtype in OUT_DTYPES
+        and k.stride() == v.stride() and k.stride(3) == 1
     )  # fmt: skip
+
+
+def fuses_on(decoder: Any, head_dim: int, rotary: bool) -> bool:
+    """Whether a device decoder (``coders.get_decoder``; None: none) writes KV itself for heads of ``head_dim``
+    (the CUDA decoder: ``CudaDecoder.fuses``), and has not failed its check on this device (``verify_once``)."""
+    fuses = getattr(decoder, "fuses", None)
+    return fuses is not None and fuses(head_dim, rotary) and str(getattr(decoder, "device", "")) not in _UNFUSED
+
+
+def decode_kv_on(decoder: Any, streams: Sequence[bytes | memoryview], layout: StreamLayout, freqs: np.ndarray, geo: ChunkGeometry,
+                 step: torch.Tensor, mean: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, out: KVCache) -> None:  # fmt: skip
+    """``decode_kv`` on a device decoder's device (the fused CUDA kernel), ``out`` there."""
+    decoder.decode_kv(
+        streams, layout, freqs, heads=geo.heads, head_dim=geo.dim, min_symbol=OFFSET - RADIUS, step=step, mean=mean,
+        cos_sin=cos_sin, keys=out.keys, values=out.values, first_token=out.keys.shape[2] - geo.coded_tokens,
+    )  # fmt: skip
+
+
+#: Devices whose fused kernel agreed with the torch path on its first chunk, and those where it did not.
+_VERIFIED: set[str] = set()
+_UNFUSED: set[str] = set()
+
+
+def verify_once(device: torch.device, out: KVCache, reference: Callable[[], KVCache]) -> None:
+    """On a device's first fused decode, compare ``out`` with the torch path's KV (``reference()``); if they differ
+    (a kernel never run on this hardware before), log it, use the reference and stop fusing on that device."""
+    key = str(device)
+    if key in _VERIFIED or key in _UNFUSED:
+        return
+    ref = reference()
+    if torch.equal(ref.keys, out.keys) and torch.equal(ref.values, out.values):
+        _VERIFIED.add(key)
+        return
+    _UNFUSED.add(key)
+    log.warning("the fused KV decoder on %s disagrees with the torch path: decoding there without it from now on", key)
+    out.keys.copy_(ref.keys)
+    out.values.copy_(ref.values)
 
 
 def decode_kv(

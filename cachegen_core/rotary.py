@@ -57,12 +57,15 @@ class RotarySpec:
         return "rope-" + hashlib.blake2b(canon.encode(), digest_size=8).hexdigest()
 
     def cos_sin(self, start: int, tokens: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``(tokens, head_dim)`` cos and sin of positions ``start .. start + tokens - 1``."""
-        pos = torch.arange(start, start + tokens, device=device, dtype=torch.int64).float()
-        inv = torch.tensor(self.inv_freq, dtype=torch.float32, device=device)
+        """float32 ``(tokens, head_dim)`` cos and sin of positions ``start .. start + tokens - 1``, on ``device``.
+
+        Computed on the CPU whatever the device (a GPU's cos and sin may differ in the last bit), so
+        that every decoder, on every device, rotates keys by the same numbers."""
+        pos = torch.arange(start, start + tokens, dtype=torch.int64).float()
+        inv = torch.tensor(self.inv_freq, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return (emb.cos() * self.attention_scaling).to(device), (emb.sin() * self.attention_scaling).to(device)
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Keys ``(..., tokens, head_dim)`` before RoPE -> after, at positions from ``start`` (float32)."""

@@ -29,8 +29,10 @@ CG_HD uint16_t cg_bf16_bits(float f) {
     return (uint16_t)(u >> 16);
 }
 
-// Rotary embedding of element d of a head vector x (head_dim = 2 * half), torch's order of operations.
-CG_HD float cg_rotate(const float* x, int32_t d, int32_t half, float cos_d, float sin_d) {
-    const float r = d < half ? -x[d + half] : x[d - half];
-    return x[d] * cos_d + r * sin_d;
+// Rotary embedding of the pair (lo, hi) = (x[d], x[d + half]) of a head vector (head_dim = 2 * half), with
+// cos and sin at d and d + half: torch's x * cos + rotate_half(x) * sin, in its order of operations.
+CG_HD void cg_rotate_pair(float lo, float hi, float cos_lo, float sin_lo, float cos_hi, float sin_hi, float* out_lo,
+                          float* out_hi) {
+    *out_lo = lo * cos_lo + (-hi) * sin_lo;
+    *out_hi = hi * cos_hi + lo * sin_hi;
 }

@@ -118,7 +118,8 @@ CG_EXPORT int cg_decode_kv(const uint8_t* in, const int64_t* in_offsets, int32_t
                 const float* src = x.data();
                 if (kind == 0 && cos) {
                     const float *c = cos + t * head_dim, *sn = sin + t * head_dim;
-                    for (int32_t d = 0; d < head_dim; ++d) y[d] = cg_rotate(x.data(), d, half, c[d], sn[d]);
+                    for (int32_t d = 0; d < half; ++d)
+                        cg_rotate_pair(x[d], x[d + half], c[d], sn[d], c[d + half], sn[d + half], &y[d], &y[d + half]);
                     src = y.data();
                 }
                 uint8_t* dst = out[kind] + (layer * stride_layer + head * stride_head + (first_token + t) * stride_token) * (int64_t)esize;

@@ -150,3 +150,31 @@ def geo_shape(h):
 
 def test_supports_only_the_native_coder():
     assert fused.supports(native_lib.CODER_NAME) and not fused.supports("torchac")
+
+
+class _FakeFusingDecoder:
+    device = torch.device("cuda", 7)
+
+    @staticmethod
+    def fuses(head_dim, rotary):
+        return True
+
+
+def test_a_fused_device_kernel_that_disagrees_once_is_replaced_by_the_torch_path(monkeypatch, caplog):
+    monkeypatch.setattr(fused, "_VERIFIED", set())
+    monkeypatch.setattr(fused, "_UNFUSED", set())
+    dev = _FakeFusingDecoder.device
+    assert fused.fuses_on(_FakeFusingDecoder(), 64, True) and not fused.fuses_on(None, 64, True)
+    ref = KVCache(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2))
+    good = KVCache(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2))
+    fused.verify_once(dev, good, lambda: ref)
+    calls = []
+    fused.verify_once(dev, good, lambda: calls.append(1) or ref)  # verified: never checked again
+    assert not calls and fused.fuses_on(_FakeFusingDecoder(), 64, True)
+    other = torch.device("cuda", 6)
+    bad = KVCache(torch.ones(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))
+    with caplog.at_level("WARNING", logger="cachegen_core.fused"):
+        fused.verify_once(other, bad, lambda: ref)
+    assert torch.equal(bad.values, ref.values) and "disagrees" in caplog.text  # the reference is what the caller gets
+    monkeypatch.setattr(_FakeFusingDecoder, "device", other)
+    assert not fused.fuses_on(_FakeFusingDecoder(), 64, True)  # that device decodes without the fused kernel from now on

@@ -356,3 +356,29 @@ def test_cuda_decode_equals_cpu_decode():
         got = KVCodec(CodecConfig(), prof, device="cuda").decode(blob)
         assert got.keys.device.type == "cuda" and got.dtype == dtype
         assert torch.equal(got.keys.cpu(), want.keys) and torch.equal(got.values.cpu(), want.values)
+
+
+@pytest.mark.skipif(not _cuda_ready(), reason="needs a GPU and nvcc")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_cuda_kernel_writes_the_cpu_decoders_kv_bit_exact(dtype, monkeypatch):
+    from cachegen_core import fused
+    from cachegen_core.rotary import RotarySpec
+
+    monkeypatch.setattr(fused, "_VERIFIED", set())
+    monkeypatch.setattr(fused, "_UNFUSED", set())
+    torch.manual_seed(0)
+    spec = RotarySpec(tuple(10000.0 ** (-i / 32) for i in range(32)))  # head_dim 64, as the reference model
+    kv = KVCache(torch.randn(3, 2, 500, 64).cumsum(2), torch.randn(3, 2, 500, 64)).to(dtype)
+    for rotary in (spec, None):
+        for config in (CodecConfig(), CodecConfig(sink_tokens=4, stream_symbols=5000)):
+            cpu, gpu = KVCodec(config, rotary=rotary), KVCodec(config, rotary=rotary, device="cuda")
+            for level in cpu.levels:
+                blob = cpu.encode(kv, level, start=3)
+                for at in (3, 1000) if rotary else (3,):
+                    want = cpu.decode(blob, start=at)
+                    buf = KVCache(torch.zeros(3, 2, 600, 64, dtype=dtype, device="cuda"), torch.zeros(3, 2, 600, 64, dtype=dtype, device="cuda"))
+                    got = gpu.decode(blob, start=at, out=buf.slice(50, 550))
+                    assert torch.equal(got.keys.cpu(), want.keys) and torch.equal(got.values.cpu(), want.values)
+                    assert not buf.keys[:, :, :50].any() and not buf.values[:, :, 550:].any()
+    assert "cuda:0" in fused._VERIFIED or "cuda" in fused._VERIFIED  # the kernel was used, and agreed with torch
+    assert not fused._UNFUSED

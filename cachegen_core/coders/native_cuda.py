@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ..errors import CoderError
+from ..errors import CacheGenFormatError, CoderError
 from .base import BackendUnavailable, StreamLayout
 from .native_lib import CODER_NAME, CoderTables, build_tables, cached_tables, compile_into_cache, describe, join_payloads, load_error
 
@@ -36,7 +36,8 @@ _device_tables: dict[tuple[int, str, int], tuple[weakref.ref, Any]] = {}
 def nvcc_command() -> list[str]:
     """The nvcc command line that builds the decoder library (for the GPU of this machine)."""
     extra = shlex.split(os.environ.get("CACHEGEN_NVCC_FLAGS", ""))
-    return ["nvcc", "-O3", "-arch=native", "-shared", "-Xcompiler", "-fPIC", *extra]
+    # no fused multiply-add: the fused KV kernel rounds every product and sum as the CPU and torch do
+    return ["nvcc", "-O3", "-arch=native", "--fmad=false", "-shared", "-Xcompiler", "-fPIC", *extra]
 
 
 def unavailable_reason(device: Any = "cuda") -> str | None:
@@ -72,6 +73,10 @@ def cuda_library() -> ctypes.CDLL:
             p, i32 = ctypes.c_void_p, ctypes.c_int32
             lib.cg_cuda_decode.argtypes = [p, p, i32, p, p, i32, p, p, i32, i32, p, p, p, p, i32]
             lib.cg_cuda_decode.restype = ctypes.c_int
+            i64 = ctypes.c_int64
+            lib.cg_cuda_decode_kv.argtypes = [p, p, i32, p, p, i32, p, p, i32, i32, p, i32, i32, i32, i32, p, p, p, p, p, p,
+                                              i32, i64, i64, i64, i64, p, p, i32]  # fmt: skip
+            lib.cg_cuda_decode_kv.restype = ctypes.c_int
             _lib = lib
         return _lib
 
@@ -126,6 +131,47 @@ class CudaDecoder:
         """The flat uint8 symbols as a tensor on this decoder's device, equal to the CPU decoder's."""
         import torch  # noqa: PLC0415
 
+        out = torch.empty(max(1, layout.n_symbols), dtype=torch.uint8, device=self.device)
+        self._launch(payloads, layout, freqs, lambda args: self._lib.cg_cuda_decode(*args[:11], out.data_ptr(), *args[11:]))
+        return out[: layout.n_symbols]
+
+    @staticmethod
+    def fuses(head_dim: int, rotary: bool) -> bool:
+        """Whether ``decode_kv`` handles head vectors of ``head_dim`` (keys rotated or not): the kernel's lanes
+        own every 16th element, and a rotary pair must be one lane's (``csrc/rans_cuda.cu``)."""
+        return head_dim % 16 == 0 and (not rotary or (head_dim % 32 == 0 and head_dim <= 256))
+
+    def decode_kv(self, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray, *, heads: int, head_dim: int,
+                  min_symbol: int, step: "torch.Tensor", mean: "torch.Tensor", cos_sin: tuple["torch.Tensor", "torch.Tensor"] | None,
+                  keys: "torch.Tensor", values: "torch.Tensor", first_token: int) -> None:  # fmt: skip
+        """Decode the substreams and write the KV of their tokens into ``keys`` and ``values`` (device tensors of
+        one dtype and strides, ``(layers, heads, tokens, head_dim)``) from token ``first_token``: the CPU
+        library's ``cg_decode_kv`` in one kernel (``csrc/kv_core.h``). ``step``, ``mean``: ``(2, layers, heads,
+        head_dim)``; ``cos_sin``: ``(coded tokens, head_dim)`` each, or None (keys stored as they are)."""
+        import torch  # noqa: PLC0415
+
+        if not self.fuses(head_dim, cos_sin is not None) or keys.stride() != values.stride() or keys.stride(3) != 1:
+            raise CoderError(f"the fused CUDA decoder cannot write head vectors of {head_dim} into these tensors")
+        dtypes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+        dev = self.device
+        st, mu = (x.to(device=dev, dtype=torch.float32).contiguous() for x in (step, mean))
+        cs = [x.to(device=dev, dtype=torch.float32).contiguous() for x in cos_sin] if cos_sin is not None else []
+        rotary = (cs[0].data_ptr(), cs[1].data_ptr()) if cs else (None, None)
+        layers = keys.shape[0]
+
+        def launch(args: list[Any]) -> int:
+            return self._lib.cg_cuda_decode_kv(
+                *args[:11], layers, heads, head_dim, min_symbol, st.data_ptr(), mu.data_ptr(), *rotary, keys.data_ptr(),
+                values.data_ptr(), dtypes[keys.dtype], keys.stride(0), keys.stride(1), keys.stride(2), first_token, *args[11:],
+            )  # fmt: skip
+
+        self._launch(payloads, layout, freqs, launch)
+
+    def _launch(self, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray, kernel: Any) -> None:
+        """Copy the payloads and layout to the device, run ``kernel`` (given the shared arguments: the inputs, then
+        status, stream and block size) and check every substream's status."""
+        import torch  # noqa: PLC0415
+
         host_tables = cached_tables(freqs)
         layout.validate(host_tables.n_tables)
         joined, in_off = join_payloads(payloads, layout.n_streams)
@@ -134,16 +180,15 @@ class CudaDecoder:
         order = np.argsort(-layout.counts(), kind="stable").astype(np.int32)  # longest first: halves of a warp pair up
         buf = torch.from_numpy(joined.copy()).pin_memory().to(dev, non_blocking=True)
         small = [torch.from_numpy(a).to(dev) for a in (in_off, np.ascontiguousarray(layout.offsets), np.ascontiguousarray(layout.table_ids), order)]
-        out = torch.empty(max(1, layout.n_symbols), dtype=torch.uint8, device=dev)
         status = torch.zeros(max(1, layout.n_streams), dtype=torch.int32, device=dev)
         stream = torch.cuda.current_stream(dev)
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        err = self._lib.cg_cuda_decode(
+        err = kernel([
             buf.data_ptr(), small[0].data_ptr(), layout.n_streams, small[1].data_ptr(), small[2].data_ptr(), layout.period,
-            info.data_ptr(), lut.data_ptr(), tables.lut_bits, tables.alphabet, small[3].data_ptr(), out.data_ptr(),
+            info.data_ptr(), lut.data_ptr(), tables.lut_bits, tables.alphabet, small[3].data_ptr(),
             status.data_ptr(), ctypes.c_void_p(stream.cuda_stream), int(os.environ.get("CACHEGEN_CUDA_BLOCK", "64")),
-        )  # fmt: skip
+        ])  # fmt: skip
         stop.record(stream)
         if err:
             raise CoderError(f"CUDA decoder launch failed with cudaError {err}")
@@ -151,8 +196,10 @@ class CudaDecoder:
         self.last_kernel_s = start.elapsed_time(stop) / 1000
         bad = np.flatnonzero(codes)
         if bad.size:
-            raise CoderError(f"CUDA decode failed: substream {int(bad[0])}: {describe(codes[bad[0]])}")
-        return out[: layout.n_symbols]
+            code = int(codes[bad[0]])
+            if code == -6:
+                raise CacheGenFormatError(f"substream {int(bad[0])}: symbol out of range")
+            raise CoderError(f"CUDA decode failed: substream {int(bad[0])}: {describe(code)}")
 
 
 def timed_decode(decoder: CudaDecoder, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray) -> tuple["torch.Tensor", float]:
