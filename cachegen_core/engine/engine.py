@@ -24,7 +24,7 @@ from ..codec import KVCodec
 from ..config import CodecConfig
 from ..errors import CacheGenError, StoreError
 from ..fingerprint import model_fingerprint
-from ..kv import KVCache, empty_tensor
+from ..kv import KVCache
 from ..metrics import EngineMetrics, MetricsRecorder, engine_metrics
 from ..profile import Profile
 from ..progress import progress_bar
@@ -35,6 +35,7 @@ from ..segments import SegmentedPrompt, document_spans, tokenize_parts
 from ..streaming import LOSSLESS, RAW, RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
 from .blend import BlendConfig
+from .buffers import BufferPool
 from .attention import use_gqa_attention
 from .cost import CostModel
 from .documents import DocumentCaches, Reused
@@ -109,6 +110,7 @@ class KVEngine:
         self.estimator_name = estimator
         self.estimator = make_estimator(estimator)
         self.kv_geometry = hf.kv_geometry(model.config)
+        self.buffers = BufferPool(*self.kv_geometry, hf.model_dtype(model), model.device)  # prompts' KV, reused
         self.cost_model = CostModel(2 * self.kv_geometry[0] * self.kv_geometry[1] * self.kv_geometry[2])
         raw = RawCodec(self.fingerprint, limits=self.codec.limits, max_tokens=self.codec.max_tokens)
         self.writer = ChunkWriter(self.codec, store, self.store_options, raw=raw, background=background, queue_size=queue_size)
@@ -292,7 +294,7 @@ class KVEngine:
         """Per prompt: ids, chunks, a buffer for them and ``new_tokens``, covered prefix, ``Reused``, info."""
         infos = [GenerationInfo() for _ in prompts]
         all_ids = [self._ids(p) for p in prompts]
-        buffers = [self._buffer(len(ids) + new_tokens + 1) for ids in all_ids]
+        buffers = [self.buffers.take(len(ids) + new_tokens + 1) for ids in all_ids]  # uninitialised, model dtype and device
         all_chunks = [self.chunks(ids) for ids in all_ids]
         for ids, info in zip(all_ids, infos):
             info.prompt_tokens = len(ids)
@@ -321,13 +323,9 @@ class KVEngine:
                 info.total_s = time.perf_counter() - start
                 self.metrics_recorder.record(info, self, fetch_counted=i > 0)
                 out.append((text, info))
+                if not info.chunks_queued and not r.missing:  # nothing queued for the writer holds views of it
+                    self.buffers.give(buffer)
         return out
-
-    def _buffer(self, tokens: int) -> KVCache:
-        """An uninitialised KV of ``tokens`` tokens in the model's dtype, on its device: a prompt's cache."""
-        layers, heads, dim = self.kv_geometry
-        shape, dtype, device = (layers, heads, tokens, dim), hf.model_dtype(self.model), self.model.device
-        return KVCache(empty_tensor(shape, dtype, device), empty_tensor(shape, dtype, device))
 
     # ------------------------------------------------------------ the warm path
     @property
