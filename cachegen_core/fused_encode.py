@@ -97,13 +97,13 @@ def _encode_chunk(x: list[torch.Tensor], first: int, rot: tuple[torch.Tensor, to
     cos, sin, scale2 = rot if rot is not None else (None, None, 1.0)
     mean, step = (np.empty((2, layers, heads, dim), dtype=np.float32) for _ in range(2))
     n = (tokens - first) * 2 * layers * heads * dim
-    out = np.empty(n, dtype=np.uint8)
+    out, scratch = np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)
     counts = np.empty((2 * layers, ALPHABET), dtype=np.int64) if count else None
     finite = np.zeros(1, dtype=np.int32)
     err = native_lib.cpu_library().cg_encode_chunk(
         x[0].data_ptr(), x[1].data_ptr(), ptr(strides), ptr(extents), layers, heads, tokens, dim, first,
         None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), scale2, level_step, cap,
-        int(fitted), ptr(mean), ptr(step), ptr(out), n, None if counts is None else ptr(counts), ptr(finite),
+        int(fitted), ptr(mean), ptr(step), ptr(out), n, ptr(scratch), None if counts is None else ptr(counts), ptr(finite),
         threads or os.cpu_count() or 1,
     )  # fmt: skip
     if err == -6 or (not err and not finite[0]):  # CG_ERR_SYMBOL: a quotient that is not a number

@@ -9,8 +9,6 @@
 // RotarySpec.unrotate does, (x * cos - (-x') * sin) / scale2, and means, steps and symbols are
 // bit-identical to the torch path's (pipeline.py, quantize.py).
 #include <cmath>
-#include <memory>
-#include <new>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 // The passes' loops are also compiled for AVX2 and picked at load time where the CPU has it: the
@@ -303,31 +301,30 @@ extern "C" {
 // fitted = 1: the chunk holds components (no exact tokens, no rotary), mean gets zeros and base
 // steps are level_step. cap > 0: no step above cap times its component's RMS. mean, step: float
 // (2, layers, heads, head_dim) outputs. out (out_len = (tokens - first) * 2 * layers * heads *
-// head_dim bytes) gets the symbols in substream order (token, kind, layer, head, dim); counts (or
+// head_dim bytes) gets the symbols in substream order (token, kind, layer, head, dim), through
+// scratch (out_len bytes, layer-major: each task writes its own part); counts (or
 // null): int64 (2 * layers, 256), the symbols' counts per table kind * layers + layer.
 // *finite: 0 when a value (exact tokens included) or an un-rotated key is not finite (nothing is
 // then quantised), else 1. Returns CG_ERR_SYMBOL when a quotient is NaN.
 CG_EXPORT int cg_encode_chunk(const float* keys, const float* values, const int64_t* strides, const int64_t* extents,
                               int32_t layers, int32_t heads, int64_t tokens, int32_t head_dim, int64_t first,
                               const float* cos, const float* sin, float scale2, float level_step, float cap,
-                              int32_t fitted, float* mean, float* step, uint8_t* out, int64_t out_len, int64_t* counts,
-                              int32_t* finite, int32_t n_threads) {
+                              int32_t fitted, float* mean, float* step, uint8_t* out, int64_t out_len, uint8_t* scratch,
+                              int64_t* counts, int32_t* finite, int32_t n_threads) {
     Chunk c;
     if (int e = check_chunk(keys, values, strides, extents, layers, heads, tokens, head_dim, first, cos, sin, scale2, &c))
         return e;
     const int64_t n = tokens - first, period = 2 * (int64_t)layers * heads * head_dim;
-    if (!mean || !step || !finite || (!out && out_len) || out_len != n * period || n < 1) return CG_ERR_ARGS;
+    if (!mean || !step || !finite || !out || !scratch || out_len != n * period || n < 1) return CG_ERR_ARGS;
     if ((int64_t)heads * head_dim > kMaxChannels) return CG_ERR_ARGS;
     if (!(level_step > 0) || !std::isfinite(level_step) || !(cap >= 0) || !std::isfinite(cap)) return CG_ERR_ARGS;
     if (fitted != 0 && (fitted != 1 || first != 0 || cos)) return CG_ERR_ARGS;
     if (counts) std::fill(counts, counts + 2 * layers * 256, (int64_t)0);
     const Params p{level_step, cap, fitted == 1, row_quantiser()};
     const int64_t vec = (int64_t)heads * head_dim;
-    std::unique_ptr<uint8_t[]> scratch(new (std::nothrow) uint8_t[n * period]);
-    if (!scratch) return CG_ERR_INTERNAL;
     std::atomic<int> status{0};
     int err = guarded([&] { return for_each_stream(2 * layers, n * period, n_threads, [&](int32_t task) {
-        status.fetch_or(layer_task(c, p, task / layers, task % layers, mean, step, scratch.get(), counts), std::memory_order_relaxed);
+        status.fetch_or(layer_task(c, p, task / layers, task % layers, mean, step, scratch, counts), std::memory_order_relaxed);
         return (int)CG_OK;
     }); });
     *finite = status.load() & 1 ? 0 : 1;
@@ -338,7 +335,7 @@ CG_EXPORT int cg_encode_chunk(const float* keys, const float* values, const int6
     err = guarded([&] { return for_each_stream((int32_t)blocks, n * period, n_threads, [&](int32_t b) {
         for (int64_t t = b * kTransposeTokens; t < std::min(n, (b + 1) * kTransposeTokens); ++t)
             for (int64_t table = 0; table < 2 * layers; ++table)
-                std::memcpy(out + t * period + table * vec, scratch.get() + (table * n + t) * vec, (size_t)vec);
+                std::memcpy(out + t * period + table * vec, scratch + (table * n + t) * vec, (size_t)vec);
         return (int)CG_OK;
     }); });
     return err;

@@ -164,8 +164,8 @@ def _call(lib, **kw):
              extents=np.array([x.numel()] * 2, np.int64), layers=L, heads=H, tokens=T, head_dim=D, first=1, cos=None,
              sin=None, scale2=1.0, level_step=0.5, cap=0.0, fitted=0, mean=np.full((2, L, H, D), 7, np.float32),
              step=np.full((2, L, H, D), 7, np.float32), out=np.full(2 * L * H * D * (T - 1), 7, np.uint8),
-             out_len=2 * L * H * D * (T - 1), counts=np.full((2 * L, 256), 7, np.int64), finite=np.zeros(1, np.int32),
-             threads=2)  # fmt: skip
+             out_len=2 * L * H * D * (T - 1), scratch=np.full(2 * L * H * D * (T - 1), 7, np.uint8),
+             counts=np.full((2 * L, 256), 7, np.int64), finite=np.zeros(1, np.int32), threads=2)  # fmt: skip
     a.update(kw)
     arr = lambda v: v.ctypes.data if isinstance(v, np.ndarray) else v  # noqa: E731
     err = lib.cg_encode_chunk(*(arr(v) for v in a.values()))
@@ -186,7 +186,7 @@ def test_library_checks_its_arguments():
         dict(cos=cos.ctypes.data, sin=cos.ctypes.data, head_dim=7, strides=np.array([35, 35, 7] * 2, np.int64), out_len=112),
         dict(cos=cos.ctypes.data, sin=cos.ctypes.data, scale2=0.0), dict(level_step=0.0), dict(level_step=float("nan")),
         dict(cap=-1.0), dict(cap=float("inf")), dict(fitted=2), dict(fitted=1), dict(mean=None), dict(step=None),
-        dict(finite=None), dict(out=None), dict(keys=None), dict(strides=None), dict(heads=1 << 14, head_dim=1 << 7),
+        dict(finite=None), dict(out=None), dict(scratch=None), dict(keys=None), dict(strides=None), dict(heads=1 << 14, head_dim=1 << 7),
     ]  # fmt: skip
     for kw in bad:
         err, a, _ = _call(lib, **kw)

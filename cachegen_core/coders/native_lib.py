@@ -96,7 +96,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cg_encode": ([p, p, i32, p, i32, p, i32, i32, p, p, p, i32], ctypes.c_int),
         "cg_decode": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, p, p, i32], ctypes.c_int),
         "cg_decode_components": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i64, i32, p, p, p, i32], ctypes.c_int),
-        "cg_encode_chunk": ([p, p, p, p, i32, i32, i64, i32, i64, p, p, *[ctypes.c_float] * 3, i32, p, p, p, i64, p, p, i32], ctypes.c_int),
+        "cg_encode_chunk": ([p, p, p, p, i32, i32, i64, i32, i64, p, p, *[ctypes.c_float] * 3, i32, p, p, p, i64, p, p, p, i32], ctypes.c_int),
         "cg_torch_sums": ([p, i64, i64, i32, p, p], ctypes.c_int),
     }
     for fn, (args, res) in signatures.items():
