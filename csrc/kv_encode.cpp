@@ -146,15 +146,6 @@ __attribute__((target("avx2"))) int quantise_row_avx2(const float* x, const floa
 }
 #endif
 
-using RowQuantiser = int (*)(const float*, const float*, const float*, int32_t, uint8_t*);
-
-RowQuantiser row_quantiser() {
-#if defined(CG_X86)
-    if (__builtin_cpu_supports("avx2")) return quantise_row_avx2;
-#endif
-    return quantise_row;
-}
-
 // Counts the n symbols of q in hist: kSubHist interleaved histograms of 256 counts, so that runs
 // of one symbol do not wait on one counter. flush adds them to a table's int64 counts and clears them.
 constexpr int32_t kSubHist = 8;
@@ -166,6 +157,71 @@ inline void count_row(const uint8_t* q, int64_t n, uint32_t* hist) {
         for (int k = 0; k < 8; ++k) ++hist[k * 256 + ((w >> (8 * k)) & 255)];
     }
     for (; j < n; ++j) ++hist[(j & 7) * 256 + q[j]];
+}
+
+struct Params {
+    float level_step, cap;
+    bool fitted;  // the chunk holds components: no centring, base step = level_step
+    bool avx2;    // the CPU has AVX2: quantise_row_avx2 and count_near_avx2 can run
+};
+
+inline int quantise(const Params& p, const float* x, const float* m, const float* s, int32_t d, uint8_t* q) {
+#if defined(CG_X86)
+    if (p.avx2) return quantise_row_avx2(x, m, s, d, q);
+#else
+    (void)p;
+#endif
+    return quantise_row(x, m, s, d, q);
+}
+
+#if defined(CG_X86)
+// count_row for symbols mostly within 128 +- kNear (the coarse levels): those are counted 32 at a
+// time in byte counters per symbol, the others one by one.
+constexpr int kNear = 3;
+
+__attribute__((target("avx2"))) void drain_near(__m256i* acc, uint32_t* hist) {
+    for (int b = 0; b <= 2 * kNear; ++b) {
+        const __m256i s = _mm256_sad_epu8(acc[b], _mm256_setzero_si256());
+        hist[128 - kNear + b] += (uint32_t)(_mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1) + _mm256_extract_epi64(s, 2) +
+                                            _mm256_extract_epi64(s, 3));  // fmt: skip
+        acc[b] = _mm256_setzero_si256();
+    }
+}
+
+__attribute__((target("avx2"), noinline)) void count_near_avx2(const uint8_t* q, int64_t n, uint32_t* hist) {
+    const __m256i base = _mm256_set1_epi8((char)(128 - kNear)), top = _mm256_set1_epi8(2 * kNear);
+    __m256i acc[2 * kNear + 1];
+    for (int b = 0; b <= 2 * kNear; ++b) acc[b] = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (int pending = 0; j + 32 <= n; j += 32) {
+        const __m256i v = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i*)(q + j)), base);  // near symbols -> 0 .. 2 kNear
+        uint32_t far = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(v, top), v));
+        for (; far; far &= far - 1) ++hist[q[j + __builtin_ctz(far)]];
+        for (int b = 0; b <= 2 * kNear; ++b) acc[b] = _mm256_sub_epi8(acc[b], _mm256_cmpeq_epi8(v, _mm256_set1_epi8((char)b)));
+        if (++pending == 255) {  // before a byte counter overflows
+            drain_near(acc, hist);
+            pending = 0;
+        }
+    }
+    drain_near(acc, hist);
+    for (; j < n; ++j) ++hist[q[j]];
+}
+#endif
+
+// The counts of q[0, n) added to hist: with count_near_avx2 when p allows and a sample of the
+// symbols is near enough to 128 for it to pay.
+inline void count_symbols(const Params& p, const uint8_t* q, int64_t n, uint32_t* hist) {
+#if defined(CG_X86)
+    if (p.avx2) {
+        const int64_t sample = std::min<int64_t>(n, 4096);
+        int64_t near = 0;
+        for (int64_t j = 0; j < sample; ++j) near += (uint8_t)(q[j] - (128 - kNear)) <= 2 * kNear;
+        if (near >= sample - sample / 32) return count_near_avx2(q, n, hist);
+    }
+#else
+    (void)p;
+#endif
+    count_row(q, n, hist);
 }
 
 inline void flush(std::vector<uint32_t>& hist, int64_t* table) {
@@ -200,12 +256,6 @@ inline float component_step(float base, float peak, float cap, float rms) {
     if (b < step) b = bf16_next_up(b);
     return peak / b > 127.0f ? bf16_next_up(b) : b;
 }
-
-struct Params {
-    float level_step, cap;
-    bool fitted;  // the chunk holds components: no centring, base step = level_step
-    const RowQuantiser quantise;
-};
 
 // One (kind, layer) of cg_encode_chunk: its means and steps, its symbols into its part of scratch
 // and (counts not null) their counts. Returns 1 when a value is not finite (then nothing is
@@ -285,12 +335,12 @@ CG_CLONES int layer_task(const Chunk& c, const Params& p, int kind, int32_t l, f
     int bad = 0;
     for (int32_t h = 0; h < heads; ++h)
         for (int64_t t = 0; t < n; ++t)
-            bad |= p.quantise(coded_row(c, kind, l, h, t, u.data()), m + h * d, s + h * d, (int32_t)d, own + t * vec + h * d);
+            bad |= quantise(p, coded_row(c, kind, l, h, t, u.data()), m + h * d, s + h * d, (int32_t)d, own + t * vec + h * d);
     if (counts) {
         std::vector<uint32_t> hist(kSubHist * 256, 0u);
         int64_t* table = counts + ((int64_t)kind * c.layers + l) * 256;
         for (int64_t t0 = 0; t0 < n; t0 += kFlushTokens) {  // so that no 32-bit count overflows
-            count_row(own + t0 * vec, std::min(n - t0, kFlushTokens) * vec, hist.data());
+            count_symbols(p, own + t0 * vec, std::min(n - t0, kFlushTokens) * vec, hist.data());
             flush(hist, table);
         }
     }
@@ -328,7 +378,11 @@ CG_EXPORT int cg_encode_chunk(const float* keys, const float* values, const int6
     if (!(level_step > 0) || !std::isfinite(level_step) || !(cap >= 0) || !std::isfinite(cap)) return CG_ERR_ARGS;
     if (fitted != 0 && (fitted != 1 || first != 0 || cos)) return CG_ERR_ARGS;
     if (counts) std::fill(counts, counts + 2 * layers * 256, (int64_t)0);
-    const Params p{level_step, cap, fitted == 1, row_quantiser()};
+#if defined(CG_X86)
+    const Params p{level_step, cap, fitted == 1, (bool)__builtin_cpu_supports("avx2")};
+#else
+    const Params p{level_step, cap, fitted == 1, false};
+#endif
     const int64_t vec = (int64_t)heads * head_dim;
     std::atomic<int> status{0};
     int err = guarded([&] { return for_each_stream(2 * layers, n * period, n_threads, [&](int32_t task) {
