@@ -3,7 +3,8 @@
 // symbols per inline table), in one threaded pass per (kind, layer) over the chunk's keys and
 // values, each possibly a token slice of a larger (layers, heads, tokens_buf, head_dim) buffer
 // with rows of head_dim contiguous floats. A task reads its layer once from memory and then works
-// from the cache: the statistics of the coded tokens (keys un-rotated), the steps, the symbols.
+// from the cache: the statistics of the coded tokens (keys un-rotated), the steps, the symbols
+// (into a layer-major scratch) and their counts; a last pass puts the symbols in substream order.
 // The float arithmetic is torch's, op for op (this file is built with -ffp-contract=off), and sums
 // are added in the order of torch's CPU reductions (torch_sum.h): keys are un-rotated as
 // RotarySpec.unrotate does, (x * cos - (-x') * sin) / scale2, and means, steps and symbols are

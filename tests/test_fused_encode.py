@@ -80,6 +80,14 @@ def test_sums_in_torch_order_give_identical_means_and_steps(dim, tokens):
         assert_same(ref, got, 3)
 
 
+@pytest.mark.parametrize("dim", [1, 3, 5, 12])  # torch folds one column away; fewer than 8 columns are summed otherwise
+def test_odd_head_dims_without_rotary(dim):
+    kv = random_kv(2, 3, 70, dim, seed=dim, buffer=80)
+    for cap in (0.0, 1.5):
+        ref, got = both_paths(kv, 0.3, fitted=False, step_cap=cap, sink_tokens=1)
+        assert_same(ref, got, 2)
+
+
 def test_torch_sum_order_is_torchs_bit_for_bit():
     """csrc/torch_sum.h adds in the order of torch's CPU reductions (the claim every identity above rests on)."""
     lib = native_lib.cpu_library()
