@@ -176,49 +176,53 @@ inline int quantise(const Params& p, const float* x, const float* m, const float
 }
 
 #if defined(CG_X86)
-// count_row for symbols mostly within 128 +- kNear (the coarse levels): those are counted 32 at a
+// count_row for symbols mostly within 128 +- Near (the coarse levels): those are counted 32 at a
 // time in byte counters per symbol, the others one by one.
-constexpr int kNear = 3;
-
+template <int Near>
 __attribute__((target("avx2"))) void drain_near(__m256i* acc, uint32_t* hist) {
-    for (int b = 0; b <= 2 * kNear; ++b) {
+    for (int b = 0; b <= 2 * Near; ++b) {
         const __m256i s = _mm256_sad_epu8(acc[b], _mm256_setzero_si256());
-        hist[128 - kNear + b] += (uint32_t)(_mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1) + _mm256_extract_epi64(s, 2) +
-                                            _mm256_extract_epi64(s, 3));  // fmt: skip
+        hist[128 - Near + b] += (uint32_t)(_mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1) + _mm256_extract_epi64(s, 2) +
+                                           _mm256_extract_epi64(s, 3));  // fmt: skip
         acc[b] = _mm256_setzero_si256();
     }
 }
 
+template <int Near>
 __attribute__((target("avx2"), noinline)) void count_near_avx2(const uint8_t* q, int64_t n, uint32_t* hist) {
-    const __m256i base = _mm256_set1_epi8((char)(128 - kNear)), top = _mm256_set1_epi8(2 * kNear);
-    __m256i acc[2 * kNear + 1];
-    for (int b = 0; b <= 2 * kNear; ++b) acc[b] = _mm256_setzero_si256();
+    const __m256i base = _mm256_set1_epi8((char)(128 - Near)), top = _mm256_set1_epi8(2 * Near);
+    __m256i acc[2 * Near + 1];
+    for (int b = 0; b <= 2 * Near; ++b) acc[b] = _mm256_setzero_si256();
     int64_t j = 0;
     for (int pending = 0; j + 32 <= n; j += 32) {
-        const __m256i v = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i*)(q + j)), base);  // near symbols -> 0 .. 2 kNear
+        const __m256i v = _mm256_sub_epi8(_mm256_loadu_si256((const __m256i*)(q + j)), base);  // near symbols -> 0 .. 2 Near
         uint32_t far = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(v, top), v));
         for (; far; far &= far - 1) ++hist[q[j + __builtin_ctz(far)]];
-        for (int b = 0; b <= 2 * kNear; ++b) acc[b] = _mm256_sub_epi8(acc[b], _mm256_cmpeq_epi8(v, _mm256_set1_epi8((char)b)));
+        for (int b = 0; b <= 2 * Near; ++b) acc[b] = _mm256_sub_epi8(acc[b], _mm256_cmpeq_epi8(v, _mm256_set1_epi8((char)b)));
         if (++pending == 255) {  // before a byte counter overflows
-            drain_near(acc, hist);
+            drain_near<Near>(acc, hist);
             pending = 0;
         }
     }
-    drain_near(acc, hist);
+    drain_near<Near>(acc, hist);
     for (; j < n; ++j) ++hist[q[j]];
+}
+
+// Whether nearly all of a sample of q[0, n) is within 128 +- near.
+inline bool mostly_near(const uint8_t* q, int64_t n, int near) {
+    const int64_t sample = std::min<int64_t>(n, 4096);
+    int64_t in = 0;
+    for (int64_t j = 0; j < sample; ++j) in += (uint8_t)(q[j] - (128 - near)) <= 2 * near;
+    return in >= sample - sample / 32;
 }
 #endif
 
 // The counts of q[0, n) added to hist: with count_near_avx2 when p allows and a sample of the
-// symbols is near enough to 128 for it to pay.
+// symbols is near enough to 128 for it to pay (the fewer bins, the faster).
 inline void count_symbols(const Params& p, const uint8_t* q, int64_t n, uint32_t* hist) {
 #if defined(CG_X86)
-    if (p.avx2) {
-        const int64_t sample = std::min<int64_t>(n, 4096);
-        int64_t near = 0;
-        for (int64_t j = 0; j < sample; ++j) near += (uint8_t)(q[j] - (128 - kNear)) <= 2 * kNear;
-        if (near >= sample - sample / 32) return count_near_avx2(q, n, hist);
-    }
+    if (p.avx2 && mostly_near(q, n, 3)) return count_near_avx2<3>(q, n, hist);
+    if (p.avx2 && mostly_near(q, n, 7)) return count_near_avx2<7>(q, n, hist);
 #else
     (void)p;
 #endif
