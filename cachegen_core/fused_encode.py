@@ -66,7 +66,7 @@ def quantise_chunk(
     count of every symbol per inline table (int64 ``(2 * layers, 256)``; else None).
 
     ``KVShapeError`` when ``kv`` holds a NaN or an infinity. ``native``: None picks the native
-    path where ``supports`` says so; False forces torch's.
+    path where ``supports`` says so; False forces torch's, True the native one (for CPU tensors).
     """
     n_exact = exact_tokens(start, kv.num_tokens, sink_tokens)
     native = (supports(kv) if native is None else native) and n_exact < kv.num_tokens
