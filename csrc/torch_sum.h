@@ -198,7 +198,7 @@ class ColumnSum {
             out[0] = one_.finish();
             return;
         }
-        std::memcpy(out, head_.finish(), sizeof(float) * split_);
+        if (split_) std::memcpy(out, head_.finish(), sizeof(float) * split_);
         if (!rest_) return;
         if (!part_) part_ = tail_.finish();
         for (int32_t k = 0; k < rest_; ++k) {
