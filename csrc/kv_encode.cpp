@@ -235,9 +235,9 @@ inline void flush(std::vector<uint32_t>& hist, int64_t* table) {
     std::fill(hist.begin(), hist.end(), 0u);
 }
 
-// Tokens counted between flushes of the 32-bit counts, and the most heads * dim of a layer (a
-// sub-histogram then counts at most kFlushTokens * kMaxChannels / 8 + 1 < 2^32 symbols).
-constexpr int64_t kFlushTokens = 4096, kMaxChannels = (int64_t)1 << 20, kTransposeTokens = 64;
+// Symbols counted between flushes of the 32-bit counts (at least one token's), the most heads * dim
+// of a layer, and tokens per task of the last pass.
+constexpr int64_t kFlushSymbols = (int64_t)1 << 30, kMaxChannels = (int64_t)1 << 20, kTransposeTokens = 64;
 
 // The next bfloat16 above a positive bfloat16 b (torch.nextafter(b, inf) in bfloat16).
 inline float bf16_next_up(float b) {
@@ -344,8 +344,9 @@ CG_CLONES int layer_task(const Chunk& c, const Params& p, int kind, int32_t l, f
     if (counts) {
         std::vector<uint32_t> hist(kSubHist * 256, 0u);
         int64_t* table = counts + ((int64_t)kind * c.layers + l) * 256;
-        for (int64_t t0 = 0; t0 < n; t0 += kFlushTokens) {  // so that no 32-bit count overflows
-            count_symbols(p, own + t0 * vec, std::min(n - t0, kFlushTokens) * vec, hist.data());
+        const int64_t tokens = std::max<int64_t>(1, kFlushSymbols / vec);
+        for (int64_t t0 = 0; t0 < n; t0 += tokens) {  // so that no 32-bit count overflows
+            count_symbols(p, own + t0 * vec, std::min(n - t0, tokens) * vec, hist.data());
             flush(hist, table);
         }
     }
