@@ -69,7 +69,8 @@ def quantise_chunk(
     path where ``supports`` says so; False forces torch's, True the native one (for CPU tensors).
     """
     n_exact = exact_tokens(start, kv.num_tokens, sink_tokens)
-    native = (supports(kv) if native is None else native) and n_exact < kv.num_tokens
+    # torch splits a reduction to one number (a one-layer model's RMS) across threads, in no fixed order
+    native = (supports(kv) if native is None else native) and n_exact < kv.num_tokens and kv.num_layers > 1
     if not native or fitted:
         if not (all_finite(kv.keys) and all_finite(kv.values)):
             raise KVShapeError("KV cache contains NaN or infinite values")

@@ -158,7 +158,16 @@ def test_non_finite_kv_is_the_same_shape_error(tiny_kv, tiny_llama, monkeypatch,
                 codec.encode(kv, 1)
 
 
-def test_native_only_for_cpu_kv_with_the_library(tiny_kv, monkeypatch):
+def test_one_layer_and_all_exact_chunks_take_the_torch_path(tiny_kv):
+    """torch sums a one-layer chunk's squares to one number split across its threads (no order to follow)."""
+    tf = identity_transform(1, 2, 16)
+    one = KVCache(tiny_kv.keys[:1], tiny_kv.values[:1])
+    assert quantise_chunk(one, tf, 0.5, fitted=False, count=True)[2] is None  # the torch path counts nothing
+    assert quantise_chunk(tiny_kv.slice(0, 1), identity_transform(3, 2, 16), 0.5, fitted=False, count=True)[2] is None
+    assert quantise_chunk(tiny_kv.slice(0, 2), identity_transform(3, 2, 16), 0.5, fitted=False, count=True)[2] is not None
+
+
+def test_native_only_for_cpu_kv_with_the_library(tiny_kv):
     assert fused_encode.supports(tiny_kv)
     meta = KVCache(torch.empty(1, 1, 2, 4, device="meta"), torch.empty(1, 1, 2, 4, device="meta"))
     assert not fused_encode.supports(meta)
