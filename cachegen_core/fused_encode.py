@@ -12,7 +12,7 @@ components, and the native pass finds their steps and symbols.
 The native arithmetic is torch's, op for op, and its sums are added in the order of torch's CPU
 reductions (``csrc/torch_sum.h``), so means, steps, symbols and blobs are bit-identical to the
 torch path's. The torch path remains the reference, and runs where the native library is
-missing or the KV is not on the CPU.
+missing, the KV is not on the CPU of an x86-64 machine, or a chunk has one layer or no coded token.
 """
 
 from __future__ import annotations
