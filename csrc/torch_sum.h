@@ -1,10 +1,10 @@
 // torch's float32 sums on the CPU, in torch's order, so that the native encoder's chunk means and
 // sums of squares are bit-identical to the torch path's (kv_encode.cpp). The order is that of
-// `cascade_sum` in aten/src/ATen/native/cpu/SumKernel.cpp (torch >= 1.10; checked on 2.13 by
+// `cascade_sum` in aten/src/ATen/native/cpu/SumKernel.cpp (checked against torch 2.13 by
 // tests/test_fused_encode.py): per output, a cascade of 4 levels of partial sums over rows, and,
 // for an inner reduction, kTorchVec lanes and 4 vectors per row. kTorchVec is the floats per
-// vector of torch's reduction kernels on x86 (8, with every CPU capability torch dispatches to);
-// it only matters for head dims that are not a multiple of 4 * kTorchVec.
+// vector of torch's reduction kernels on x86 (8 with the AVX512, AVX2 and default CPU
+// capabilities alike); for outer sums it only matters for head dims not a multiple of 32.
 #pragma once
 #include <algorithm>
 #include <cstdint>
