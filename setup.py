@@ -19,11 +19,11 @@ setup(
     ext_modules=[
         Extension(
             "cachegen_core._native",
-            sources=["csrc/rans_cpu.cpp", "csrc/kv_fused.cpp"],
-            depends=["csrc/rans_core.h", "csrc/rans_cpu_impl.h", "csrc/kv_core.h"],
+            sources=["csrc/rans_cpu.cpp", "csrc/kv_fused.cpp", "csrc/kv_encode.cpp"],
+            depends=["csrc/rans_core.h", "csrc/rans_cpu_impl.h", "csrc/kv_core.h", "csrc/torch_sum.h"],
             include_dirs=["csrc"],
             language="c++",
-            # no fused multiply-add: the fused KV decoder rounds exactly as the reference dequantiser
+            # no fused multiply-add: the native KV decoder and encoder round exactly as the torch path
             extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", "-ffp-contract=off"],
             extra_link_args=["-pthread"],
             optional=True,  # without a compiler the package still installs; the reference coder is used

@@ -24,11 +24,12 @@ from .errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
 from .kv import KVCache, KVShapeError, all_finite
 from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name, side_info
-from .pipeline import components, exact_part, exact_tokens, magnitude_bound, quantise, synthesise_parts
+from .fused_encode import quantise_chunk
+from .pipeline import exact_part, exact_tokens, magnitude_bound, synthesise_parts
 from .profile import Profile, TableLayout
 from .quantize import OFFSET, RADIUS, dequantize
 from .rotary import RotarySpec
-from .substreams import ChunkGeometry, flatten_symbols, inline_tables, stream_layout, unflatten_symbols
+from .substreams import ChunkGeometry, inline_tables, stream_layout, unflatten_symbols
 from .transform import Transform, identity_transform
 
 class KVCodec:
@@ -134,17 +135,18 @@ class KVCodec:
             raise ValueError(f"start must be an integer in [0, {MAX_START}]")
         self._check_kv(kv)
         layers, heads, tokens, dim = kv.shape
-        comp = components(kv, self._transform(layers, heads, dim), start=start, sink_tokens=self.config.sink_tokens, rotary=self.rotary)
-        step = self.config.level_step(level, fitted=self._fitted)
-        coded = quantise(comp, step, fitted=self._fitted, step_cap=self.config.step_cap)
+        coded, symbols, counts = quantise_chunk(
+            kv, self._transform(layers, heads, dim), self.config.level_step(level, fitted=self._fitted), fitted=self._fitted,
+            step_cap=self.config.step_cap, start=start, sink_tokens=self.config.sink_tokens, rotary=self.rotary,
+            count=self.profile is None,
+        )  # fmt: skip
         geo = self._geometry(layers, heads, tokens, dim, start)
-        symbols = flatten_symbols(coded.symbols)
         layout = stream_layout(geo, level, self._tables)
         sections = {"mean": bf16_section(coded.mean), "step": bf16_section(coded.step)}
         if coded.exact.shape[3]:
             sections["exact"] = coded.exact.contiguous().numpy().astype(np.float32)
         if self.profile is None:
-            freqs = inline_tables(symbols, geo)
+            freqs = inline_tables(symbols, geo, counts)
             sections["tables"] = freqs.astype(np.uint16)
         else:
             freqs = self.profile.freqs
@@ -181,8 +183,6 @@ class KVCodec:
             raise KVShapeError(f"chunk of {kv.num_tokens} tokens exceeds max_tokens={self.max_tokens}")
         if dtype_name(kv.dtype) not in DTYPES:
             raise KVShapeError(f"unsupported KV dtype {kv.dtype}")
-        if not (all_finite(kv.keys) and all_finite(kv.values)):
-            raise KVShapeError("KV cache contains NaN or infinite values")
         if self.rotary is not None and kv.head_dim != self.rotary.head_dim:
             raise KVShapeError(f"KV head_dim {kv.head_dim} does not match the rotary embedding's {self.rotary.head_dim}")
         if self.profile is not None:

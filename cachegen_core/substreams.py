@@ -84,9 +84,11 @@ def unflatten_symbols(flat: torch.Tensor, geo: ChunkGeometry) -> torch.Tensor:
     return flat.reshape(geo.coded_tokens, 2, geo.layers, geo.heads, geo.dim).permute(1, 2, 3, 0, 4)
 
 
-def inline_tables(flat: np.ndarray, geo: ChunkGeometry) -> np.ndarray:
-    """The inline tables of a chunk (one per (kind, layer)), measured on its own symbols."""
-    n = n_inline_tables(geo.layers)
-    rows = flat.reshape(geo.coded_tokens, n, geo.channels)  # one table per row of the period
-    counts = np.stack([np.bincount(rows[:, t].ravel(), minlength=ALPHABET) for t in range(n)])
+def inline_tables(flat: np.ndarray, geo: ChunkGeometry, counts: np.ndarray | None = None) -> np.ndarray:
+    """The inline tables of a chunk (one per (kind, layer)), measured on its own symbols; ``counts``:
+    the symbols' counts per table ``(2 * layers, 256)`` when already known (the native encoder's)."""
+    if counts is None:
+        n = n_inline_tables(geo.layers)
+        rows = flat.reshape(geo.coded_tokens, n, geo.channels)  # one table per row of the period
+        counts = np.stack([np.bincount(rows[:, t].ravel(), minlength=ALPHABET) for t in range(n)])
     return counts_to_freqs(counts, alpha=0.0)

@@ -16,7 +16,7 @@ LAYERS = [
     {"kv", "chunks", "manifest", "format", "quantize", "config", "fingerprint", "models", "raw", "rotary", "transform",
      "pipeline", "kvstats", "segments"},
     {"coders"},
-    {"substreams", "profile", "bitstats", "fused", "blob", "codec", "limits"},
+    {"substreams", "profile", "bitstats", "fused", "fused_encode", "blob", "codec", "limits"},
     {"stores"},
     {"settings", "progress", "metrics", "prometheus"},
     {"streaming"},

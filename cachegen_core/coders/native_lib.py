@@ -70,7 +70,7 @@ def compile_into_cache(source: str | Sequence[str], command: list[str]) -> Path:
 
 
 #: The sources of the CPU library, and its compiler flags (as setup.py builds it).
-CPU_SOURCES = ("rans_cpu.cpp", "kv_fused.cpp")
+CPU_SOURCES = ("rans_cpu.cpp", "kv_fused.cpp", "kv_encode.cpp")
 CPU_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden", "-ffp-contract=off"]
 
 
@@ -98,6 +98,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cg_decode_components": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i64, i32, p, p, p, i32], ctypes.c_int),
         "cg_decode_kv": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i32, i32, i64, i32, p, p, p, p, p, p, i32,
                           i64, i64, i64, i64, p, i32], ctypes.c_int),
+        "cg_encode_chunk": ([p, p, p, p, i32, i32, i64, i32, i64, p, p, *[ctypes.c_float] * 3, i32, p, p, p, i64, p, p, p, i32], ctypes.c_int),
+        "cg_torch_sums": ([p, i64, i64, i32, p, p], ctypes.c_int),
     }
     for fn, (args, res) in signatures.items():
         getattr(lib, fn).argtypes = args
