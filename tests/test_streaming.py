@@ -544,3 +544,16 @@ def test_batch_plans_with_the_bytes_of_every_request():
 def test_unique_in_order():
     assert unique_in_order([["a", "b", "c"], ["a", "b", "d"], ["a"]]) == ["a", "b", "c", "d"]
     assert unique_in_order([]) == []
+
+
+def test_a_serial_plan_does_not_count_on_fetching_beside_decoding():
+    """A local store: a 35 MB raw chunk fetched in 35 ms and copied in 8 ms, a 10 MB level chunk decoded in 55 ms."""
+    mb = 1e6
+    cs = [ChunkCost({"raw": 35 * mb, 1: 10 * mb}, {"raw": 0.008, 1: 0.055}, 1536) for _ in range(2)]
+    overlapped = Controller(("raw", 1), prefill_s_per_token=1.0, floor=1, safety=1.0)
+    serial = Controller(("raw", 1), prefill_s_per_token=1.0, floor=1, safety=1.0, serial=True)
+    # overlapped: a level first, the raw chunk arriving while it decodes (75 ms against 86 ms for raw twice)
+    assert overlapped.decide(cs, elapsed_s=0.0, bandwidth=1000 * mb).option == 1
+    assert serial.decide(cs, elapsed_s=0.0, bandwidth=1000 * mb).option == "raw"  # 86 ms against 108 ms
+    assert predict_finish(cs, "raw", elapsed_s=0.0, bandwidth=1000 * mb, prefill_s_per_token=1.0, serial=True) == pytest.approx(0.086)
+    assert predict_finish(cs, "raw", elapsed_s=0.0, bandwidth=1000 * mb, prefill_s_per_token=1.0) == pytest.approx(0.078)

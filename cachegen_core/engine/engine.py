@@ -298,8 +298,8 @@ class KVEngine:
         all_chunks = [self.chunks(ids) for ids in all_ids]
         for ids, info in zip(all_ids, infos):
             info.prompt_tokens = len(ids)
-        controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token,
-                                allow_text=self.allow_text, floor=self.level)  # fmt: skip
+        controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token, allow_text=self.allow_text,
+                                floor=self.level, serial=getattr(self.store, "local", False))  # fmt: skip
         partials = [self._partials(ids) for ids in all_ids] if 0 < self.partial_step < self.chunk_tokens else None
         covered = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
                                      estimator=self.estimator, prefill=self._prefill, partials=partials)  # fmt: skip

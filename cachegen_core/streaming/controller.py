@@ -18,6 +18,11 @@ link, whose finish depends less on the estimate (at 1 Gbit/s a raw chunk predict
 than a level-1 chunk arrived later than it: 0.66 s against 0.58 s for level 1 alone,
 ``benchmarks.warm_path``).
 
+On a local store (memory, disk) fetching is a copy by the same cores that decode, so plans
+are made ``serial``: a fetch does not overlap a decode (on 2 cores, mixing a level chunk with
+a raw one on the disk store was 17 % slower than plain fp16 bytes, the plan having counted on the
+overlap).
+
 With a deadline:
 
 decision rule, after the CacheGen paper (SIGCOMM'24, section 5.3): try the options in
@@ -116,11 +121,13 @@ def predict_finish(
     prefill_s_per_token: float,
     n_requests: int = 1,
     busy_s: float = 0.0,
+    serial: bool = False,
 ) -> float:
     """When (seconds from the stream's start) every remaining chunk is ready if all go at ``option``.
 
     Two-stage pipeline: fetches back to back on the link, each decode once its chunk
     has arrived and the compute stage is free (it is busy for ``busy_s`` from now).
+    ``serial``: fetching is the same CPU's work as decoding (a local store), so they take turns.
     """
     ready = elapsed_s + busy_s
     if option == TEXT:
@@ -130,7 +137,7 @@ def predict_finish(
         size = c.sizes.get(option)
         if size is None:  # not stored for this chunk: never feasible
             return math.inf
-        arrived += n_requests * size / bandwidth
+        arrived = (max(arrived, ready) if serial else arrived) + n_requests * size / bandwidth
         ready = max(ready, arrived) + compute_seconds(c, option, prefill_s_per_token, n_requests)
     return ready
 
@@ -148,6 +155,7 @@ def choose(
     allow_text: bool = True,
     safety: float = 0.85,
     floor: Option | None = None,
+    serial: bool = False,
 ) -> Decision:
     """The option for ``remaining[0]`` (the rules are in the module docstring).
 
@@ -156,6 +164,7 @@ def choose(
     fetch). ``safety``: with ``slo_s``, the plan must fit in this fraction of the time left; without,
     plans are scored at this fraction of ``bandwidth``.
     ``floor``: without ``slo_s``, the coarsest acceptable option (default: the finest of ``options``).
+    ``serial``: fetching takes the CPU that decodes (a local store): no fetch overlaps a decode in the plans.
     """
     if not remaining:
         raise ValueError("no chunk left to choose for")
@@ -173,13 +182,13 @@ def choose(
             first = floor if floor in ordered else next((o for o in ordered if rank(o) <= bound), None)
             return Decision(first if first is not None else TEXT, bandwidth, None, True)
         return _fastest(remaining, good, elapsed_s=elapsed_s, bandwidth=safety * bandwidth, busy_s=busy_s,
-                        prefill_s_per_token=prefill_s_per_token, n_requests=n_requests, allow_text=allow_text)  # fmt: skip
+                        prefill_s_per_token=prefill_s_per_token, n_requests=n_requests, allow_text=allow_text, serial=serial)  # fmt: skip
     if bandwidth is None or bandwidth <= 0:
         return Decision(ordered[len(ordered) // 2], bandwidth, None, True)
 
     def finish(opt: Option) -> float:
         return predict_finish(remaining, opt, elapsed_s=elapsed_s, bandwidth=bandwidth, busy_s=busy_s,
-                              prefill_s_per_token=prefill_s_per_token, n_requests=n_requests)  # fmt: skip
+                              prefill_s_per_token=prefill_s_per_token, n_requests=n_requests, serial=serial)  # fmt: skip
 
     budget = elapsed_s + safety * max(slo_s - elapsed_s, 0.0)
     text_finish = finish(TEXT) if allow_text else math.inf
@@ -208,6 +217,7 @@ def _fastest(
     prefill_s_per_token: float,
     n_requests: int,
     allow_text: bool,
+    serial: bool = False,
 ) -> Decision:
     """No deadline: the candidate for ``remaining[0]`` whose greedy plan of the rest finishes first
     (ties go to the finer option)."""
@@ -215,7 +225,7 @@ def _fastest(
     def place(c: ChunkCost, o: Option, link: float, compute: float) -> tuple[float, float]:
         if o == TEXT:
             return link, compute + compute_seconds(c, TEXT, prefill_s_per_token, n_requests)
-        arrived = link + n_requests * c.sizes[o] / bandwidth
+        arrived = (max(link, compute) if serial else link) + n_requests * c.sizes[o] / bandwidth
         return arrived, max(compute, arrived) + compute_seconds(c, o, prefill_s_per_token, n_requests)
 
     def candidates(c: ChunkCost) -> list[Option]:
@@ -241,8 +251,9 @@ def _fastest(
 class Controller:
     """The controller's settings: the stored ``options`` it may fetch, ``slo_s`` (None: the fastest
     option at least as fine as ``floor``, default the finest option), the expected prefill
-    seconds per token (the cost of text), whether text is allowed, and the ``safety``
-    fraction of the time left a plan may use."""
+    seconds per token (the cost of text), whether text is allowed, the ``safety``
+    fraction of the time left a plan may use, and whether fetching is ``serial`` with decoding
+    (a local store: a file read or a copy by the same cores)."""
 
     options: tuple[Option, ...]
     slo_s: float | None = None
@@ -250,6 +261,7 @@ class Controller:
     allow_text: bool = True
     safety: float = 0.85
     floor: Option | None = None
+    serial: bool = False
 
     def __post_init__(self) -> None:
         if not self.options:
@@ -266,4 +278,4 @@ class Controller:
         """:func:`choose` with these settings."""
         return choose(remaining, options=self.options, elapsed_s=elapsed_s, slo_s=self.slo_s, bandwidth=bandwidth,
                       prefill_s_per_token=self.prefill_s_per_token, n_requests=n_requests, busy_s=busy_s,
-                      allow_text=self.allow_text, safety=self.safety, floor=self.floor)  # fmt: skip
+                      allow_text=self.allow_text, safety=self.safety, floor=self.floor, serial=self.serial)  # fmt: skip
