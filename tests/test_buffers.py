@@ -32,6 +32,9 @@ def test_only_the_largest_buffers_are_kept_and_foreign_ones_never():
     for b in bufs:
         pool.give(b)
     assert sorted(b.num_tokens for b in pool._spare) == [20, 30]
+    assert pool.take(15).keys.data_ptr() == bufs[2].keys.data_ptr()  # the smallest that fits, among several
+    assert [b.num_tokens for b in pool._spare] == [30]
+    pool.give(bufs[2])
     pool.give(KVCache(torch.zeros(1, 1, 50, 4)[:, :, 5:], torch.zeros(1, 1, 50, 4)[:, :, 5:]))  # not the first tokens
     pool.give(KVCache(torch.zeros(1, 1, 50, 4, dtype=torch.float16), torch.zeros(1, 1, 50, 4, dtype=torch.float16)))
     pool.give(KVCache(torch.zeros(2, 1, 50, 4)[:1], torch.zeros(2, 1, 50, 4)[:1]))  # another geometry's memory

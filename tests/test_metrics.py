@@ -110,8 +110,11 @@ def test_store_errors_and_rejected_values_are_counted(tiny_llama, tiny_tokenizer
     for key in list(inner.keys()):
         inner.put(key, b"forged")
     signed.generate(prompt, max_new_tokens=2)
+    assert signed.flush(30)
     m = signed.metrics()
-    assert m.rejected_values >= 1 and m.hits == 0 and m.writes["written"] == 1
+    assert m.rejected_values >= 1 and m.hits == 0 and m.writes["written"] == 2  # the forged chunk recomputed and stored again
+    signed.generate(prompt, max_new_tokens=2)
+    assert signed.metrics().hits == 1  # and found the next time
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:

@@ -38,7 +38,7 @@ class BufferPool:
             fits = [b for b in self._spare if b.num_tokens >= tokens]
             whole = min(fits, key=lambda b: b.num_tokens) if fits else None
             if whole is not None:
-                self._spare.remove(whole)
+                self._spare = [b for b in self._spare if b is not whole]  # by identity: KVCache equality compares tensors
         if whole is None:
             layers, heads, dim = self.shape
             shape = (layers, heads, tokens, dim)
