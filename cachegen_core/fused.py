@@ -48,6 +48,27 @@ def supports(coder: str) -> bool:
         return False
 
 
+def _payloads(blob: bytes | memoryview, lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The substream payloads (they end the blob) as one uint8 array, never empty, and their int64 offsets."""
+    data = np.frombuffer(blob, dtype=np.uint8)
+    data = data[len(data) - sum(lengths) :] if sum(lengths) else np.zeros(1, dtype=np.uint8)
+    in_off = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=in_off[1:])
+    return data, in_off
+
+
+def _check(err: int, status: np.ndarray) -> None:
+    """Raise for a failed native decode: ``CacheGenFormatError`` for a symbol out of range, else ``CoderError``."""
+    if not err:
+        return
+    bad = np.flatnonzero(status)
+    where = f"substream {int(bad[0])}: " if bad.size else ""
+    code = int(status[bad[0]]) if bad.size else err
+    if code == -6:
+        raise CacheGenFormatError(f"{where}symbol out of range")
+    raise CoderError(f"native fused decode failed: {where}{describe(code)}")
+
+
 def decode_components(
     blob: bytes | memoryview,
     lengths: list[int],
@@ -64,10 +85,7 @@ def decode_components(
     ``(2, layers, heads, coded_tokens, dim)``."""
     lib = native_lib.cpu_library()
     t = cached_tables(freqs)
-    data = np.frombuffer(blob, dtype=np.uint8)
-    data = data[len(data) - sum(lengths) :] if sum(lengths) else np.zeros(1, dtype=np.uint8)  # the payloads end the blob
-    in_off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=in_off[1:])
+    data, in_off = _payloads(blob, lengths)
     out = empty_tensor((2, geo.layers, geo.heads, geo.coded_tokens, geo.dim), torch.float32)
     steps = np.ascontiguousarray(step.float().reshape(-1).numpy())
     status = np.zeros(max(1, len(lengths)), dtype=np.int32)
@@ -78,13 +96,7 @@ def decode_components(
         t.n_tables, t.alphabet, geo.dim, geo.coded_tokens, OFFSET - RADIUS, ptr(steps), out.data_ptr(), ptr(status),
         threads or os.cpu_count() or 1,
     )  # fmt: skip
-    if err:
-        bad = np.flatnonzero(status[: len(lengths)])
-        where = f"substream {int(bad[0])}: " if bad.size else ""
-        code = int(status[bad[0]]) if bad.size else err
-        if code == -6:
-            raise CacheGenFormatError(f"{where}symbol out of range")
-        raise CoderError(f"native fused decode failed: {where}{describe(code)}")
+    _check(err, status[: len(lengths)])
     return out
 
 
@@ -159,10 +171,7 @@ def decode_kv(
     """
     lib = native_lib.cpu_library()
     t = cached_tables(freqs)
-    data = np.frombuffer(blob, dtype=np.uint8)
-    data = data[len(data) - sum(lengths) :] if sum(lengths) else np.zeros(1, dtype=np.uint8)
-    in_off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=in_off[1:])
+    data, in_off = _payloads(blob, lengths)
     steps, means = (np.ascontiguousarray(x.float().reshape(-1).numpy()) for x in (step, mean))
     cos, sin = (np.ascontiguousarray(x.float().numpy()) for x in cos_sin) if cos_sin is not None else (None, None)
     if cos is not None and cos.shape != (geo.coded_tokens, geo.dim):
@@ -180,10 +189,4 @@ def decode_kv(
         OUT_DTYPES[k.dtype], k.stride(0), k.stride(1), k.stride(2), k.shape[2] - geo.coded_tokens, ptr(status),
         threads or os.cpu_count() or 1,
     )  # fmt: skip
-    if err:
-        bad = np.flatnonzero(status[: len(lengths)])
-        where = f"substream {int(bad[0])}: " if bad.size else ""
-        code = int(status[bad[0]]) if bad.size else err
-        if code == -6:
-            raise CacheGenFormatError(f"{where}symbol out of range")
-        raise CoderError(f"native fused decode failed: {where}{describe(code)}")
+    _check(err, status[: len(lengths)])
