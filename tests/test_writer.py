@@ -139,7 +139,8 @@ def test_manifest_round_trip():
 def test_writers_of_different_forms_keep_each_others_blobs_named(tiny_llama, tiny_tokenizer):
     """Two engine configurations share a store: the manifest names every form either stored."""
     store = MemoryStore()
-    a = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, level=0, store_options=[0], background=False)
+    a = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, level=0, store_options=[0], background=False,
+                 allow_text=False)  # fmt: skip
     b = KVEngine(tiny_llama, tiny_tokenizer, codec=a.codec, store=store, chunk_tokens=CHUNK, level=3, store_options=["raw", 3],
                  background=False)  # fmt: skip
     prompt = words(24, 2 * CHUNK + 1)
