@@ -347,8 +347,8 @@ def test_driver_degrades_on_a_link_drop_then_sends_text():
     assert [c for c, _ in fake.calls] == [i for i, o in enumerate(options) if o != TEXT]  # text chunks are not fetched
 
 
-@pytest.mark.parametrize("overlapped", [True, False])
-def test_only_the_first_fetch_is_sampled_where_fetching_shares_the_cpu(overlapped):
+@pytest.mark.parametrize("serial", [False, True])
+def test_only_the_first_fetch_is_sampled_where_fetching_shares_the_cpu(serial):
     cs = costs(4, tokens=10)
     fake = FakeLink(TraceLink([8 * 8e-3], slice_s=1000.0), lambda c, lv: cs[c].sizes[lv])
     samples = []
@@ -359,10 +359,10 @@ def test_only_the_first_fetch_is_sampled_where_fetching_shares_the_cpu(overlappe
             super().update(nbytes, seconds)
 
     res = stream_chunks(range(4), cs, fetch=fake.fetch, decode=lambda blob, c, lv: c, on_text=lambda c: c,
-                        controller=Controller(LEVELS, slo_s=60.0, prefill_s_per_token=1.0), estimator=Recording(),
-                        clock=fake.clock, overlapped_samples=overlapped)  # fmt: skip
+                        controller=Controller(LEVELS, slo_s=60.0, prefill_s_per_token=1.0, serial=serial), estimator=Recording(),
+                        clock=fake.clock)  # fmt: skip
     fetched = [r.bytes for r in res.trace]
-    assert len(fetched) == 4 and samples == (fetched if overlapped else fetched[:1])
+    assert len(fetched) == 4 and samples == (fetched[:1] if serial else fetched)
     assert all(r.throughput_bps == pytest.approx(8 * MB) for r in res.trace)  # every fetch is still recorded
 
 

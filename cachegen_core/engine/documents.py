@@ -188,7 +188,7 @@ class DocumentCaches:
         records: tuple[ChunkRecord, ...]
         try:
             records = stream_batch(requests, cost, fetch=reader.fetch, decode=decode, on_text=on_text, controller=controller,
-                                   estimator=self.engine.estimator, overlapped_samples=not getattr(reader.store, "local", False)).plan.records  # fmt: skip
+                                   estimator=self.engine.estimator).plan.records  # fmt: skip
         except StreamFailure as f:
             self._failed(infos[0], f)
             records = f.partial.trace

@@ -244,8 +244,7 @@ class ChunkReader:
         batch_info = infos[0] if len(infos) == 1 else GenerationInfo()
         try:
             records = stream_batch([[c.key for c in run] for run in runs], cost, fetch=self.fetch, decode=decode,
-                                   on_text=on_text, controller=controller, estimator=estimator,
-                                   overlapped_samples=not getattr(self.store, "local", False)).plan.records  # fmt: skip
+                                   on_text=on_text, controller=controller, estimator=estimator).plan.records  # fmt: skip
         except StreamFailure as f:
             self._failed(batch_info, f)
             records = f.partial.trace

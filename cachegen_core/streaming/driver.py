@@ -113,7 +113,6 @@ def stream_chunks(
     estimator: Estimator,
     n_requests: int = 1,
     clock: Callable[[], float] = time.perf_counter,
-    overlapped_samples: bool = True,
 ) -> StreamResult[T]:
     """Stream ``chunk_ids`` in order, choosing each one's option; fetch i+1 overlaps decode i.
 
@@ -123,8 +122,8 @@ def stream_chunks(
     there; raise if it is missing); ``decode(blob, chunk, level)`` and
     ``on_text(chunk)`` (the text option: the caller prefills) run on the calling thread, in
     stream order, each after the previous chunk's has returned, so they may build on it.
-    Each fetch's bytes and seconds update ``estimator``; with ``overlapped_samples=False`` only
-    the first one, the fetch no decode or prefill ran beside: for a store whose fetch is the same
+    Each fetch's bytes and seconds update ``estimator``; with a ``serial`` controller only the
+    first one, the fetch no decode or prefill ran beside: for a store whose fetch is the same
     CPU's work as decoding (memory, local disk), where a fetch timed beside a decode measures the
     contention for the cores, not the store (on 2 cores, a level's decode made the disk store look
     5x slower than it is, and the controller then kept choosing levels over raw chunks). A failing
@@ -165,7 +164,7 @@ def stream_chunks(
                     blob, fetch_s = pending.result()
                 except Exception as e:
                     raise StreamFailure(i, chunk, e, result()) from e
-                if overlapped_samples or i == 0:
+                if not controller.serial or i == 0:
                     estimator.update(len(blob), fetch_s)
             nxt: Decision | None = None
             if i + 1 < len(ids):  # plan and start the next fetch now: it overlaps this chunk's decode or prefill
@@ -207,7 +206,6 @@ def stream_batch(
     controller: Controller,
     estimator: Estimator,
     clock: Callable[[], float] = time.perf_counter,
-    overlapped_samples: bool = True,
 ) -> BatchResult[T]:
     """Stream the chunks of requests that arrived together as one stream; a shared chunk goes once.
 
@@ -217,14 +215,13 @@ def stream_batch(
     that asked for it. The controller plans over that whole stream: it counts the bytes of
     every request, a shared chunk once, so the expected delay grows with the batch without
     the ``n_requests`` scaling (which stands in for chunks it cannot see, and would count
-    these twice); ``plan.n_requests`` records the batch size; ``overlapped_samples`` as in
-    :func:`stream_chunks`. Failures raise
+    these twice); ``plan.n_requests`` records the batch size. Failures raise
     :class:`StreamFailure` whose ``partial`` follows the order of the shared stream.
     """
     order = unique_in_order(requests)
     cost_of = costs if callable(costs) else costs.__getitem__
     res = stream_chunks(order, cost_of, fetch=fetch, decode=decode, on_text=on_text, controller=controller,
-                        estimator=estimator, clock=clock, overlapped_samples=overlapped_samples)  # fmt: skip
+                        estimator=estimator, clock=clock)  # fmt: skip
     part_of = dict(zip(order, res.parts))
     plan = StreamPlan(res.plan.records, res.plan.seconds, res.plan.slo_s, len(requests))
     return BatchResult([[part_of[c] for c in chunks] for chunks in requests], plan)
