@@ -13,6 +13,17 @@ using namespace cg;
 
 #define CG_EXPORT __attribute__((visibility("default")))
 
+// Substreams of whole tokens: valid offsets, `tokens` tokens of `period` symbols in all, each
+// substream starting at a token, table ids in range. Checked before any memory is touched.
+static bool valid_token_streams(const int64_t* in_offsets, const int64_t* sym_offsets, int32_t n_streams,
+                                const int32_t* table_ids, int32_t period, int32_t n_tables, int64_t tokens) {
+    if (!valid_offsets(sym_offsets, n_streams) || !valid_offsets(in_offsets, n_streams)) return false;
+    if (sym_offsets[n_streams] != tokens * period) return false;
+    for (int32_t s = 0; s < n_streams; ++s)
+        if (sym_offsets[s] % period) return false;
+    return valid_table_ids(table_ids, (int64_t)n_streams * period, n_tables);
+}
+
 extern "C" {
 
 // Decode substream s (in[in_offsets[s]:in_offsets[s+1]], symbols sym_offsets[s].. in token-major
@@ -27,11 +38,7 @@ CG_EXPORT int cg_decode_components(const uint8_t* in, const int64_t* in_offsets,
                                    const float* steps, float* out, int32_t* status, int32_t n_threads) {
     if (n_streams < 0 || period < 1 || alphabet < 2 || alphabet > 256 || n_tables < 1) return CG_ERR_ARGS;
     if (lut_bits < 1 || lut_bits > 16 || head_dim < 1 || period % head_dim != 0 || tokens < 0) return CG_ERR_ARGS;
-    if (!valid_offsets(sym_offsets, n_streams) || !valid_offsets(in_offsets, n_streams)) return CG_ERR_ARGS;
-    if (sym_offsets[n_streams] != tokens * period) return CG_ERR_ARGS;
-    for (int32_t s = 0; s < n_streams; ++s)
-        if (sym_offsets[s] % period) return CG_ERR_ARGS;
-    if (!valid_table_ids(table_ids, (int64_t)n_streams * period, n_tables)) return CG_ERR_ARGS;
+    if (!valid_token_streams(in_offsets, sym_offsets, n_streams, table_ids, period, n_tables, tokens)) return CG_ERR_ARGS;
     const Tables T{info, lut, alphabet, lut_bits};
     for (int32_t s = 0; s < n_streams; ++s) status[s] = CG_OK;
     return guarded([&] { return for_each_stream(n_streams, sym_offsets[n_streams], n_threads, [&](int32_t s) {
@@ -79,11 +86,7 @@ CG_EXPORT int cg_decode_kv(const uint8_t* in, const int64_t* in_offsets, int32_t
     if ((int64_t)period != 2 * (int64_t)layers * heads * head_dim) return CG_ERR_ARGS;
     if (out_dtype < CG_OUT_F32 || out_dtype > CG_OUT_F16 || !out_keys || !out_values || (cos == nullptr) != (sin == nullptr))
         return CG_ERR_ARGS;
-    if (!valid_offsets(sym_offsets, n_streams) || !valid_offsets(in_offsets, n_streams)) return CG_ERR_ARGS;
-    if (sym_offsets[n_streams] != tokens * period) return CG_ERR_ARGS;
-    for (int32_t s = 0; s < n_streams; ++s)
-        if (sym_offsets[s] % period) return CG_ERR_ARGS;
-    if (!valid_table_ids(table_ids, (int64_t)n_streams * period, n_tables)) return CG_ERR_ARGS;
+    if (!valid_token_streams(in_offsets, sym_offsets, n_streams, table_ids, period, n_tables, tokens)) return CG_ERR_ARGS;
     const Tables T{info, lut, alphabet, lut_bits};
     const int32_t half = head_dim / 2;
     const size_t esize = out_dtype == CG_OUT_F32 ? 4 : 2;
