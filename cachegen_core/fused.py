@@ -123,7 +123,8 @@ def decode_kv_on(decoder: Any, streams: Sequence[bytes | memoryview], layout: St
     """``decode_kv`` on a device decoder's device (the fused CUDA kernel), ``out`` there."""
     decoder.decode_kv(
         streams, layout, freqs, heads=geo.heads, head_dim=geo.dim, min_symbol=OFFSET - RADIUS, step=step, mean=mean,
-        cos_sin=cos_sin, keys=out.keys, values=out.values, first_token=out.keys.shape[2] - geo.coded_tokens,
+        cos_sin=cos_sin, keys=out.keys, values=out.values, out_dtype=OUT_DTYPES[out.keys.dtype],
+        first_token=out.keys.shape[2] - geo.coded_tokens,
     )  # fmt: skip
 
 

@@ -143,16 +143,16 @@ class CudaDecoder:
 
     def decode_kv(self, payloads: Sequence[bytes], layout: StreamLayout, freqs: np.ndarray, *, heads: int, head_dim: int,
                   min_symbol: int, step: "torch.Tensor", mean: "torch.Tensor", cos_sin: tuple["torch.Tensor", "torch.Tensor"] | None,
-                  keys: "torch.Tensor", values: "torch.Tensor", first_token: int) -> None:  # fmt: skip
+                  keys: "torch.Tensor", values: "torch.Tensor", out_dtype: int, first_token: int) -> None:  # fmt: skip
         """Decode the substreams and write the KV of their tokens into ``keys`` and ``values`` (device tensors of
-        one dtype and strides, ``(layers, heads, tokens, head_dim)``) from token ``first_token``: the CPU
+        one dtype, code ``out_dtype`` of ``csrc/kv_core.h``'s ``CG_OUT_*``, and one stride, ``(layers, heads,
+        tokens, head_dim)``) from token ``first_token``: the CPU
         library's ``cg_decode_kv`` in one kernel (``csrc/kv_core.h``). ``step``, ``mean``: ``(2, layers, heads,
         head_dim)``; ``cos_sin``: ``(coded tokens, head_dim)`` each, or None (keys stored as they are)."""
         import torch  # noqa: PLC0415
 
         if not self.fuses(head_dim, cos_sin is not None) or keys.stride() != values.stride() or keys.stride(3) != 1:
             raise CoderError(f"the fused CUDA decoder cannot write head vectors of {head_dim} into these tensors")
-        dtypes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
         dev = self.device
         st, mu = (x.to(device=dev, dtype=torch.float32).contiguous() for x in (step, mean))
         cs = [x.to(device=dev, dtype=torch.float32).contiguous() for x in cos_sin] if cos_sin is not None else []
@@ -162,7 +162,7 @@ class CudaDecoder:
         def launch(args: list[Any]) -> int:
             return self._lib.cg_cuda_decode_kv(
                 *args[:11], layers, heads, head_dim, min_symbol, st.data_ptr(), mu.data_ptr(), *rotary, keys.data_ptr(),
-                values.data_ptr(), dtypes[keys.dtype], keys.stride(0), keys.stride(1), keys.stride(2), first_token, *args[11:],
+                values.data_ptr(), out_dtype, keys.stride(0), keys.stride(1), keys.stride(2), first_token, *args[11:],
             )  # fmt: skip
 
         self._launch(payloads, layout, freqs, launch)
