@@ -3,6 +3,7 @@
 import time
 
 from cachegen_core.engine import KVEngine
+from cachegen_core.engine.cost import PRIOR_COPY_BYTES_PER_S, PRIOR_SYMBOLS_PER_S, CostModel
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.streaming import TEXT
 from cachegen_core.testing import words
@@ -109,3 +110,39 @@ def test_levels_decode_straight_into_the_prompts_buffer(tiny_llama, tiny_tokeniz
     assert all(o is not None and o.num_tokens == CHUNK for o in outs)  # slices of the request's buffer: no copy
     assert outs[1].keys.data_ptr() - outs[0].keys.data_ptr() == CHUNK * outs[0].keys.stride(2) * outs[0].keys.element_size()
     assert got == want == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 4)
+
+
+def test_an_option_measured_slow_once_is_tried_again(tiny_llama, tiny_tokenizer):
+    """One slow measurement (a raw copy beside another engine's work) must not rule an option out for good:
+    the estimates of options a stream offered but did not use relax towards their priors, until it is chosen again."""
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, store_options=["raw", 1], level=1,
+                 allow_text=False, background=False)  # fmt: skip
+    prompt = words(6, 2 * CHUNK + 5)
+    e.generate(prompt, max_new_tokens=1)
+    _, info = e.generate(prompt, max_new_tokens=1)
+    assert info.levels[0] == "raw"  # a local store: raw bytes first, before any fetch is measured
+    costs = e.cost_model.decode_s_per_token
+    costs["raw"] = poisoned = 10 * e.cost_model.decode_seconds(1, 1, 0) + 1e-3
+    _, info = e.generate(prompt, max_new_tokens=1)
+    assert info.levels == [1, 1]
+    prior = e.cost_model.prior_s_per_token("raw")
+    assert prior < costs["raw"] < poisoned  # relaxed, not reset
+    for _ in range(20):
+        _, info = e.generate(prompt, max_new_tokens=1)
+        if "raw" in info.levels:
+            break
+    assert "raw" in info.levels
+
+
+def test_relax_moves_only_estimates_above_their_prior_and_never_past_it():
+    m = CostModel(elements_per_token=1000)
+    m.observe_decode("raw", 2000, 1.0, 10)  # 0.1 s a token, prior 2000 / 10 bytes at PRIOR_COPY_BYTES_PER_S
+    m.observe_decode(1, 500, 1e-9, 10)  # faster than its prior: left alone
+    raw_prior, level_prior = 200 / PRIOR_COPY_BYTES_PER_S, 1000 / PRIOR_SYMBOLS_PER_S
+    assert m.prior_s_per_token("raw") == raw_prior and m.prior_s_per_token(1) == level_prior
+    m.relax(["raw", 1, 2])  # 2: never measured, nothing to relax
+    assert m.decode_s_per_token["raw"] == 0.7 * 0.1 + 0.3 * raw_prior
+    assert m.decode_s_per_token[1] == 1e-10 and 2 not in m.decode_s_per_token
+    for _ in range(200):
+        m.relax(["raw"])
+    assert raw_prior <= m.decode_s_per_token["raw"] < 1.01 * raw_prior

@@ -95,7 +95,9 @@ def test_forged_blob_is_never_decoded_with_a_key(tiny_llama, tiny_tokenizer, how
     expected, _ = plain.generate(prompt, max_new_tokens=6)
 
     inner = MemoryStore()
-    eng = KVEngine(tiny_llama, tiny_tokenizer, store=SignedStore(inner, KEY), chunk_tokens=CHUNK, background=False)
+    # the level alone stored: the chunks it stores are re-forged after each request (a raw form it stored, signed, would hit)
+    eng = KVEngine(tiny_llama, tiny_tokenizer, store=SignedStore(inner, KEY), chunk_tokens=CHUNK, background=False,
+                   level=1, store_options=[1])  # fmt: skip
     planted = _plant_forged_chunks(eng, inner, prompt, how)
     decoded = _count_decodes(eng)
     with caplog.at_level(logging.WARNING):
@@ -124,7 +126,8 @@ def test_signed_engine_reuses_its_own_chunks(tiny_llama, tiny_tokenizer):
     prompt = words(12, 2 * CHUNK + 9)
     answers = []
     for store in (MemoryStore(), SignedStore(MemoryStore(), KEY)):
-        eng = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, background=False)
+        # one stored form: which of raw and a level the controller takes per chunk follows timings, and their KV differ
+        eng = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, background=False, level=1, store_options=[1])
         eng.generate(prompt, max_new_tokens=5)
         text, info = eng.generate(prompt, max_new_tokens=5)
         assert info.cached_tokens == 2 * CHUNK and not info.errors

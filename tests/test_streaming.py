@@ -557,3 +557,16 @@ def test_a_serial_plan_does_not_count_on_fetching_beside_decoding():
     assert serial.decide(cs, elapsed_s=0.0, bandwidth=1000 * mb).option == "raw"  # 86 ms against 108 ms
     assert predict_finish(cs, "raw", elapsed_s=0.0, bandwidth=1000 * mb, prefill_s_per_token=1.0, serial=True) == pytest.approx(0.086)
     assert predict_finish(cs, "raw", elapsed_s=0.0, bandwidth=1000 * mb, prefill_s_per_token=1.0) == pytest.approx(0.078)
+
+
+def test_a_local_store_plans_its_first_chunk_before_any_fetch_is_measured():
+    """No estimate yet: a remote store starts at the floor; a local one plans at LOCAL_BANDWIDTH_PRIOR, so raw bytes
+    it can read in a few ms go first instead of a level that takes 55 ms to decode."""
+    mb = 1e6
+    cs = [ChunkCost({"raw": 35 * mb, 1: 10 * mb}, {"raw": 0.008, 1: 0.055}, 1536) for _ in range(2)]
+    remote = Controller(("raw", 1), prefill_s_per_token=1.0, floor=1)
+    local = Controller(("raw", 1), prefill_s_per_token=1.0, floor=1, serial=True)
+    assert remote.decide(cs, elapsed_s=0.0, bandwidth=None).option == 1
+    first = local.decide(cs, elapsed_s=0.0, bandwidth=None)
+    assert first.option == "raw" and first.predicted_finish_s is not None
+    assert local.decide(cs, elapsed_s=0.0, bandwidth=10 * mb).option == 1  # a measured slow disk still gets the level

@@ -7,11 +7,18 @@ cost a prior (a compressed level: ``elements_per_token`` symbols at
 ``PRIOR_SYMBOLS_PER_S``; a raw form: its bytes at ``PRIOR_COPY_BYTES_PER_S``); the first
 measurement replaces a prior outright (a blend kept plans off by 2x for the first
 requests), later ones move the estimate smoothly.
+
+An option the controller stops choosing is never measured again, so one slow measurement
+could rule it out for good: on the memory store a raw chunk decoded beside another engine's
+work measured 0.10 s instead of 0.008 s, and every later request fetched level 1 (1.7x slower).
+After each stream the estimates of the options it offered but did not use (:meth:`relax`)
+move a step back towards their prior when they are above it, so such an option is tried again
+once its prior says it might win, and measured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..streaming import RAW_OPTIONS, ChunkCost, Option
@@ -60,6 +67,21 @@ class CostModel:
         self.prefill_s_per_token = (1 - w) * self.prefill_s_per_token + w * s_per_token
         self.prefill_measured = True
 
+    def prior_s_per_token(self, option: Option) -> float:
+        """The decode seconds per token assumed for ``option`` before it is measured."""
+        if option in RAW_OPTIONS:
+            return self.bytes_per_token.get(option, 0.0) / PRIOR_COPY_BYTES_PER_S
+        return self.elements_per_token / PRIOR_SYMBOLS_PER_S
+
+    def relax(self, options: Iterable[Option]) -> None:
+        """``options`` were offered to a stream that did not decode them: each measured estimate above
+        its prior moves one step (``weight``) towards it."""
+        for option in options:
+            measured = self.decode_s_per_token.get(option)
+            prior = self.prior_s_per_token(option)
+            if measured is not None and measured > prior:
+                self.decode_s_per_token[option] = (1 - self.weight) * measured + self.weight * prior
+
     def decode_seconds(self, option: Option, tokens: int, nbytes: int) -> float:
         """Expected seconds to decode a blob of ``nbytes`` holding ``tokens`` tokens stored as ``option``."""
         measured = self.decode_s_per_token.get(option)
@@ -67,7 +89,7 @@ class CostModel:
             return measured * tokens
         if option in RAW_OPTIONS:
             return nbytes / PRIOR_COPY_BYTES_PER_S
-        return self.elements_per_token * tokens / PRIOR_SYMBOLS_PER_S
+        return self.prior_s_per_token(option) * tokens
 
     def chunk_cost(self, tokens: int, sizes: Mapping[Option, int]) -> ChunkCost:
         """The controller's view of one chunk stored at ``sizes`` (option -> blob bytes)."""

@@ -254,6 +254,8 @@ class ChunkReader:
             batch_info.fetch_s += r.fetch_s
             batch_info.decode_s += r.decode_s
         option = {r.chunk: r.option for r in records}
+        offered = {o for m in manifests.values() for o in m.options if o in controller.options}
+        self.cost_model.relax(offered - set(option.values()))
         covered = []
         for p, (run, info) in enumerate(zip(runs, infos)):
             mine = []
