@@ -91,6 +91,27 @@ def test_corrupted_blob_is_recomputed_and_logged(engine, tiny_llama, tiny_tokeni
     assert text == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 8)
 
 
+def test_a_blob_verified_once_is_not_hashed_again_but_a_replaced_one_is(engine, tiny_llama, tiny_tokenizer, monkeypatch):
+    """The memory store hands back the objects it holds: the reader skips re-verifying the very bytes object it
+    verified in the last stream, and verifies anything put under the key since (a corruption is still caught)."""
+    prompt = words(7, 3 * CHUNK + 10)
+    engine.generate(prompt, max_new_tokens=8)
+    checks = []
+    check = engine.codec.check
+    monkeypatch.setattr(engine.codec, "check", lambda blob, level=None: checks.append(level) or check(blob, level))
+    engine.generate(prompt, max_new_tokens=8)
+    assert len(checks) == 3  # the first warm stream verifies every chunk
+    _, info = engine.generate(prompt, max_new_tokens=8)
+    assert len(checks) == 3 and info.cached_tokens == 3 * CHUNK  # the same objects: not hashed again
+    key = blob_key(engine.chunks(prompt)[1].key, engine.level)
+    blob = bytearray(engine.store.get(key))
+    blob[len(blob) // 2] ^= 0xFF
+    engine.store.put(key, bytes(blob))
+    text, info = engine.generate(prompt, max_new_tokens=8)
+    assert len(checks) == 4 and info.cached_tokens == CHUNK and "bad blob for chunk 1" in info.errors[0]
+    assert text == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 8)
+
+
 def test_foreign_blob_planted_under_a_key_is_rejected(engine, tiny_llama, tiny_tokenizer):
     prompt = words(7, 2 * CHUNK + 3)
     engine.generate(prompt, max_new_tokens=4)

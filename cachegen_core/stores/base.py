@@ -92,9 +92,12 @@ class BaseKVStore:
     ``close``; they override the batch methods when the backend has real batch ops.
     ``local``: the store lives on this machine (memory, local disk), so writing a chunk's
     raw form costs little and the engine does it before answering (see ``ChunkWriter``).
+    ``shares_values``: ``get`` returns the very ``bytes`` object the store holds (an in-process
+    store), so a reader that verified that object once need not hash it again (see ``ChunkReader``).
     """
 
     local: bool = False
+    shares_values: bool = False
 
     def __init__(self, namespace: str = DEFAULT_NAMESPACE, max_value_bytes: int | None = None) -> None:
         if not isinstance(namespace, str):

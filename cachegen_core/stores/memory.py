@@ -18,6 +18,7 @@ class MemoryStore(BaseKVStore):
     """
 
     local = True
+    shares_values = True
 
     def __init__(
         self,
