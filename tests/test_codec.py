@@ -152,6 +152,23 @@ def test_every_single_byte_corruption_is_a_format_error():
                 codec.decode(bytes(bad))
 
 
+@pytest.mark.parametrize("stream", [0, 5, 6, 11])
+def test_a_big_blobs_substreams_are_all_checked_when_hashed_in_two_threads(stream):
+    """Past PARALLEL_HASH_BYTES the second half of the substreams is hashed by a helper thread: a flipped
+    byte in any substream, either half, is reported with its index."""
+    from cachegen_core import format as fmt
+
+    rng = np.random.default_rng(stream)
+    streams = [rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes() for _ in range(12)]
+    blob = pack({"codec": "test"}, {}, streams)
+    assert sum(map(len, streams)) >= fmt.PARALLEL_HASH_BYTES
+    assert unpack(blob, views=True).streams == streams
+    bad = bytearray(blob)
+    bad[len(blob) - (12 - stream) * (1 << 20) + 12345] ^= 0x10
+    with pytest.raises(CacheGenFormatError, match=f"substream {stream} checksum mismatch"):
+        unpack(bytes(bad))
+
+
 def test_foreign_blobs_are_rejected(tiny_kv):
     blob = KVCodec(fingerprint="model-a").encode(tiny_kv, 1)
     with pytest.raises(CacheGenFormatError, match="another model"):
