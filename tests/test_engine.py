@@ -5,6 +5,7 @@ import torch
 
 from cachegen_core.chunks import blob_key
 from cachegen_core.engine import KVEngine
+from cachegen_core.stores.disk import DiskCacheStore
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer, words
 
@@ -110,6 +111,28 @@ def test_a_blob_verified_once_is_not_hashed_again_but_a_replaced_one_is(engine, 
     text, info = engine.generate(prompt, max_new_tokens=8)
     assert len(checks) == 4 and info.cached_tokens == CHUNK and "bad blob for chunk 1" in info.errors[0]
     assert text == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 8)
+
+
+def test_raw_chunks_on_disk_are_read_into_kept_buffers_and_still_checked(tiny_tokenizer, tmp_path):
+    """The disk store reads a raw chunk into one of the reader's kept buffers (no fresh memory per read); the blob
+    is verified as any other (a corrupted file is caught) and, for a 16-bit model, the answer is the no-cache one."""
+    model = make_tiny_llama(dtype=torch.bfloat16)  # raw = the model's dtype: exact
+    store = DiskCacheStore(tmp_path, disk_min_file_size=0)  # every value in a file, as real chunks are
+    e = KVEngine(model, tiny_tokenizer, store=store, chunk_tokens=CHUNK, level=1, store_options=["raw"], allow_text=False,
+                 background=False)  # fmt: skip
+    prompt = words(7, 3 * CHUNK + 10)
+    expected, _ = e.generate(prompt, max_new_tokens=8)
+    text, info = e.generate(prompt, max_new_tokens=8)
+    kept = {id(b) for b in e.reader._read_buffers}
+    assert info.levels == ["raw"] * 3 and text == expected and len(kept) == 2
+    text, info = e.generate(prompt, max_new_tokens=8)
+    assert info.levels == ["raw"] * 3 and text == expected and {id(b) for b in e.reader._read_buffers} == kept
+    key = blob_key(e.chunks(prompt)[1].key, "raw")
+    blob = bytearray(store.get(key))
+    blob[len(blob) // 2] ^= 0xFF
+    store.put(key, bytes(blob))
+    text, info = e.generate(prompt, max_new_tokens=8)
+    assert info.cached_tokens == CHUNK and "bad blob for chunk 1" in info.errors[0] and text == expected
 
 
 def test_foreign_blob_planted_under_a_key_is_rejected(engine, tiny_llama, tiny_tokenizer):

@@ -294,6 +294,8 @@ def test_disk_never_unpickles_planted_entries(tmp_path):
     for key in ("evil", "evil-file", "text"):
         with pytest.raises(StoreError, match="refused|expected bytes"):
             s.get(key)
+        with pytest.raises(StoreError, match="refused|expected bytes"):
+            s.read_into(key, bytearray(1 << 20))
     with pytest.raises(StoreError):
         s.get_many(["good", "evil"])
     assert sorted(s.keys()) == ["evil", "evil-file", "good", "text"]  # the pickled key is skipped
@@ -315,6 +317,8 @@ def test_disk_value_file_outside_the_directory_is_refused(tmp_path):
     raw.close()
     with pytest.raises(StoreError, match="outside the cache directory"):
         s.get("k")
+    with pytest.raises(StoreError, match="outside the cache directory"):
+        s.read_into("k", bytearray(1 << 20))
 
 
 def test_disk_oversized_stored_value_is_refused(tmp_path):
@@ -322,6 +326,20 @@ def test_disk_oversized_stored_value_is_refused(tmp_path):
     reader = DiskCacheStore(tmp_path, max_value_bytes=50_000)
     with pytest.raises(StoreError, match="exceeds max_value_bytes"):
         reader.get("k")
+    with pytest.raises(StoreError, match="exceeds max_value_bytes"):
+        reader.read_into("k", bytearray(1 << 20))
+
+
+def test_disk_read_into_reads_a_file_value_into_the_callers_buffer(tmp_path):
+    s = DiskCacheStore(tmp_path)
+    big, small = bytes(range(256)) * 1000, b"inline"
+    s.put("big", big)  # file-backed
+    s.put("small", small)  # inline in SQLite
+    buf = bytearray(300_000)
+    view = s.read_into("big", buf)
+    assert isinstance(view, memoryview) and view.obj is buf and view == big
+    assert s.read_into("small", buf) == small and s.read_into("absent", buf) is None
+    assert s.read_into("big", bytearray(10)) == big  # too small a buffer: read the plain way
 
 
 _READONLY_PROBE = r"""

@@ -17,6 +17,7 @@ Failures never escape: a bad blob or a store error is reported in the request's
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -42,6 +43,26 @@ PrefillInto = Callable[[list[int], KVCache, int], None]
 PartialChunks = Callable[[int], list[Chunk]]
 
 
+class StreamReads:
+    """What one stream's fetches share: the blobs they verified (kept for the next stream when the store
+    shares its objects, see ``ChunkReader.fetch``) and two read buffers, used in turn by a store that can
+    read into one (``read_into``: the disk store): the driver holds at most the blob being decoded and the
+    one being fetched."""
+
+    def __init__(self, buffers: list[bytearray]) -> None:
+        self.seen: dict[str, tuple[bytes, Checked | RawChecked]] = {}
+        self.buffers = buffers
+        self._turn = 0
+
+    def buffer(self, size: int) -> bytearray:
+        """The next read buffer, at least ``size`` bytes (a new one when the one in turn is smaller)."""
+        i = self._turn % len(self.buffers)
+        self._turn += 1
+        if len(self.buffers[i]) < size:
+            self.buffers[i] = bytearray(size)
+        return self.buffers[i]
+
+
 def report(info: GenerationInfo, msg: str) -> None:
     """A request-level problem: in the request's errors and in the log."""
     info.errors.append(msg)
@@ -63,6 +84,8 @@ class ChunkReader:
         self.cost_model = cost_model
         self.health = health
         self._verified: dict[str, tuple[bytes, Checked | RawChecked]] = {}  # blob key -> (the store's object, checked)
+        self._read_buffers: list[bytearray] = []  # kept between streams (see StreamReads)
+        self._buffers_lock = threading.Lock()
 
     def use_device(self, device: torch.device) -> str | None:
         """Decode levels on ``device`` (the model's) when the codec's coder has a decoder there that can
@@ -139,14 +162,20 @@ class ChunkReader:
                 return c, manifest
         return None
 
-    def fetch(self, key: str, option: Option, seen: dict[str, tuple[bytes, Checked | RawChecked]] | None = None) -> Checked | RawChecked:
+    def fetch(self, key: str, option: Option, reads: StreamReads | None = None, size: int = 0) -> Checked | RawChecked:
         """The blob of chunk ``key`` stored as ``option``, its checksums and header verified (in the stream's
         fetch thread, beside the previous chunk's decode); ``BlobMissing`` when it is not (or no longer) stored.
 
-        The very object the last stream verified is not verified again; ``seen`` collects this one when the
-        store shares its objects."""
+        With a stream's ``reads``: the very object the last stream verified is not verified again (a store
+        that shares its objects), and a raw form of ``size`` bytes is read into one of the stream's buffers
+        (a store that can: ``read_into``)."""
         name = blob_key(key, option)
-        blob = self.store.get(name)
+        shares = getattr(self.store, "shares_values", False)
+        read_into = getattr(self.store, "read_into", None)
+        if reads is not None and read_into is not None and not shares and option in RAW_OPTIONS and size > 0:
+            blob = read_into(name, reads.buffer(size))
+        else:
+            blob = self.store.get(name)
         if blob is None:
             raise BlobMissing(f"chunk {key[:12]} as {option} is not in the store")
         known = self._verified.get(name)
@@ -154,8 +183,8 @@ class ChunkReader:
             checked = known[1]
         else:
             checked = self.raw.check(blob, option) if option in RAW_OPTIONS else self.codec.check(blob, option)  # type: ignore[arg-type]
-        if seen is not None and getattr(self.store, "shares_values", False):
-            seen[name] = (blob, checked)
+        if reads is not None and shares:
+            reads.seen[name] = (blob, checked)
         return checked
 
     def decode(self, blob: bytes | Checked | RawChecked, key: str, option: Option, out: KVCache | None = None) -> KVCache:
@@ -258,15 +287,20 @@ class ChunkReader:
             return self.cost_model.chunk_cost(owner[key][0].num_tokens, sizes)
 
         batch_info = infos[0] if len(infos) == 1 else GenerationInfo()
-        seen: dict[str, tuple[bytes, Checked | RawChecked]] = {}
+        with self._buffers_lock:
+            reads = StreamReads([self._read_buffers.pop() if self._read_buffers else bytearray() for _ in range(2)])
         try:
-            records = stream_batch([[c.key for c in run] for run in runs], cost, fetch=lambda k, o: self.fetch(k, o, seen),
+            records = stream_batch([[c.key for c in run] for run in runs], cost,
+                                   fetch=lambda k, o: self.fetch(k, o, reads, manifests[k].sizes.get(o, 0)),
                                    decode=decode, on_text=on_text, controller=controller, estimator=estimator).plan.records  # fmt: skip
-        except StreamFailure as f:
+        except StreamFailure as f:  # its buffers are not kept: a fetch the driver left running may still write into one
             self._failed(batch_info, f)
             records = f.partial.trace
+        else:
+            with self._buffers_lock:
+                self._read_buffers = sorted(self._read_buffers + [b for b in reads.buffers if b], key=len)[-4:]
         if getattr(self.store, "shares_values", False):
-            self._verified = seen  # the last stream's blobs only: held by the store anyway, unless it evicted them since
+            self._verified = reads.seen  # the last stream's blobs only: held by the store anyway, unless it evicted them since
         for r in records:
             batch_info.stream.append(r.as_dict())
             batch_info.bytes_fetched += r.bytes
