@@ -52,7 +52,7 @@ def _name(dtype: torch.dtype) -> str:
 class RawChecked:
     """A raw blob whose container and header ``RawCodec.check`` verified."""
 
-    blob: bytes
+    blob: bytes | memoryview  # or a view of a read buffer a stream reuses (DiskCacheStore.read_into)
     option: str
     shape: tuple[int, int, int, int]
     dtype: torch.dtype
@@ -88,7 +88,7 @@ class RawCodec:
         header = {"codec": CODEC, "option": option, "dtype": _name(dtype), "shape": list(kv.shape), "model_fingerprint": self.fingerprint}
         return pack(header, {}, streams)
 
-    def check(self, blob: bytes, option: str = RAW) -> RawChecked:
+    def check(self, blob: bytes | memoryview, option: str = RAW) -> RawChecked:
         """Verify a raw blob's container (every checksum) and header: all of ``decode`` but the copy,
         which a fetch thread can do while the previous chunk decodes."""
         c = unpack(blob, self.limits, views=True)
@@ -99,7 +99,7 @@ class RawCodec:
             raise CacheGenFormatError(f"raw substreams must hold {per_layer} bytes each for shape {list(shape)}")
         return RawChecked(blob, option, shape, dtype)
 
-    def decode(self, blob: bytes | RawChecked, option: str = RAW, *, out: KVCache | None = None) -> KVCache:
+    def decode(self, blob: bytes | memoryview | RawChecked, option: str = RAW, *, out: KVCache | None = None) -> KVCache:
         """The KV of a raw blob stored as ``option``, written into ``out`` (same shape) when given.
 
         ``CacheGenFormatError`` for anything but a well-formed blob of this model and option.
