@@ -202,7 +202,7 @@ def unpack(blob: bytes | memoryview, limits: Limits = Limits(), *, views: bool =
 
 #: Substream bytes from which a blob's hashes are split between the caller and a helper thread.
 PARALLEL_HASH_BYTES = 8 << 20
-_hash_pool: ThreadPoolExecutor | None = None
+_hash_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
 _hash_pool_lock = threading.Lock()
 
 
@@ -218,7 +218,8 @@ def _hashes_match(chunks: Sequence[memoryview], digests: Sequence[int]) -> list[
         return match(0, n)
     global _hash_pool
     with _hash_pool_lock:
-        if _hash_pool is None:
-            _hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachegen-hash")
-    second = _hash_pool.submit(match, n // 2, n)
+        if _hash_pool is None or _hash_pool[0] != os.getpid():  # a forked child has the pool but not its thread
+            _hash_pool = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachegen-hash"))
+        pool = _hash_pool[1]
+    second = pool.submit(match, n // 2, n)
     return match(0, n // 2) + second.result()

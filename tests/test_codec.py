@@ -169,6 +169,23 @@ def test_a_big_blobs_substreams_are_all_checked_when_hashed_in_two_threads(strea
         unpack(bytes(bad))
 
 
+def test_a_forked_child_hashes_big_blobs_too():
+    """The helper thread of the parent does not exist in a forked child (a pre-forking server's workers):
+    the child makes its own instead of waiting on the parent's forever."""
+    import multiprocessing
+
+    streams = [bytes([i]) * (1 << 20) for i in range(12)]
+    blob = pack({"codec": "test"}, {}, streams)
+    unpack(blob)  # the parent's helper thread exists now
+    child = multiprocessing.get_context("fork").Process(target=unpack, args=(blob,))
+    child.start()
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive and child.exitcode == 0
+
+
 def test_foreign_blobs_are_rejected(tiny_kv):
     blob = KVCodec(fingerprint="model-a").encode(tiny_kv, 1)
     with pytest.raises(CacheGenFormatError, match="another model"):
