@@ -30,7 +30,7 @@ from ..errors import BlobMissing, CacheGenError, CacheGenFormatError, StoreError
 from ..kv import KVCache
 from ..manifest import Manifest, manifest_key
 from ..segments import document_pieces
-from ..streaming import TEXT, ChunkRecord, Controller, Option, StreamFailure, stream_batch
+from ..streaming import TEXT, Controller, Option, StreamFailure
 from . import hf
 from .blend import BlendConfig, blend, blend_support, last_document_first
 from .info import GenerationInfo
@@ -180,18 +180,11 @@ class DocumentCaches:
         def on_text(key: str) -> None:  # its tokens are computed in the prompt, with the blend's forced tokens
             text.add(key)
 
-        def cost(key: str):  # noqa: ANN202
-            sizes = {o: n for o, n in manifests[key].sizes.items() if o in controller.options}
-            return reader.cost_model.chunk_cost(owner[key][0].num_tokens, sizes)
-
         requests = [list(dict.fromkeys(x.chunk.key for x in pieces if x.chunk.key in owner)) for pieces in placed]
-        records: tuple[ChunkRecord, ...]
-        try:
-            records = stream_batch(requests, cost, fetch=reader.fetch, decode=decode, on_text=on_text, controller=controller,
-                                   estimator=self.engine.estimator).plan.records  # fmt: skip
-        except StreamFailure as f:
-            self._failed(infos[0], f)
-            records = f.partial.trace
+        records, failure = reader.run_stream(requests, manifests, lambda k: owner[k][0].num_tokens, decode=decode,
+                                             on_text=on_text, controller=controller, estimator=self.engine.estimator)  # fmt: skip
+        if failure is not None:
+            self._failed(infos[0], failure)
         decoded = {owner[k][0].key: owner[k] for p in held for k, _ in p}
         for p, (pieces, info) in enumerate(zip(placed, infos)):
             for x in pieces:  # a piece streamed once, into another place: copied over

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ from ..kv import KVCache, KVShapeError
 from ..manifest import Manifest, manifest_key
 from ..raw import RawChecked, RawCodec
 from ..stores.base import KVStore
-from ..streaming import RAW_OPTIONS, TEXT, Controller, Estimator, Option, StreamFailure, rank, stream_batch
+from ..streaming import RAW_OPTIONS, TEXT, ChunkCost, ChunkRecord, Controller, Estimator, Option, StreamFailure, rank, stream_batch
 from .cost import CostModel
 from .info import GenerationInfo
 from .writer import StoreHealth
@@ -282,33 +283,17 @@ class ChunkReader:
             held[p].add(key)
             return slot(key)
 
-        def cost(key: str):  # noqa: ANN202
-            sizes = {o: n for o, n in manifests[key].sizes.items() if o in controller.options}
-            return self.cost_model.chunk_cost(owner[key][0].num_tokens, sizes)
-
         batch_info = infos[0] if len(infos) == 1 else GenerationInfo()
-        with self._buffers_lock:
-            reads = StreamReads([self._read_buffers.pop() if self._read_buffers else bytearray() for _ in range(2)])
-        try:
-            records = stream_batch([[c.key for c in run] for run in runs], cost,
-                                   fetch=lambda k, o: self.fetch(k, o, reads, manifests[k].sizes.get(o, 0)),
-                                   decode=decode, on_text=on_text, controller=controller, estimator=estimator).plan.records  # fmt: skip
-        except StreamFailure as f:  # its buffers are not kept: a fetch the driver left running may still write into one
-            self._failed(batch_info, f)
-            records = f.partial.trace
-        else:
-            with self._buffers_lock:
-                self._read_buffers = sorted(self._read_buffers + [b for b in reads.buffers if b], key=len)[-4:]
-        if getattr(self.store, "shares_values", False):
-            self._verified = reads.seen  # the last stream's blobs only: held by the store anyway, unless it evicted them since
+        records, failure = self.run_stream([[c.key for c in run] for run in runs], manifests, lambda k: owner[k][0].num_tokens,
+                                           decode=decode, on_text=on_text, controller=controller, estimator=estimator)  # fmt: skip
+        if failure is not None:
+            self._failed(batch_info, failure)
         for r in records:
             batch_info.stream.append(r.as_dict())
             batch_info.bytes_fetched += r.bytes
             batch_info.fetch_s += r.fetch_s
             batch_info.decode_s += r.decode_s
         option = {r.chunk: r.option for r in records}
-        offered = {o for m in manifests.values() for o in m.options if o in controller.options}
-        self.cost_model.relax(offered - set(option.values()))
         covered = []
         for p, (run, info) in enumerate(zip(runs, infos)):
             mine = []
@@ -325,6 +310,43 @@ class ChunkReader:
                 info.bytes_fetched, info.fetch_s, info.decode_s = batch_info.bytes_fetched, batch_info.fetch_s, batch_info.decode_s
             covered.append(mine[-1].end if mine else 0)
         return covered
+
+    def run_stream(
+        self,
+        requests: Sequence[Sequence[str]],
+        manifests: Mapping[str, Manifest],
+        tokens: Callable[[str], int],
+        *,
+        decode: Callable[[Checked | RawChecked, str, Option], Any],
+        on_text: Callable[[str], Any],
+        controller: Controller,
+        estimator: Estimator,
+    ) -> tuple[tuple[ChunkRecord, ...], StreamFailure | None]:
+        """``stream_batch`` over stored chunks (``requests``: chunk keys; ``manifests``: each key's; ``tokens``: its
+        token count), with what every stream of this reader shares: the cost model (planned with, and after the
+        stream the options offered but not used relaxed towards their priors: ``CostModel.relax``), the verified
+        blobs of a store that shares its objects and the read buffers (see ``fetch``). Returns the records, and the
+        failure that stopped the stream, if any (its records then are those before it)."""
+        def cost(key: str) -> ChunkCost:
+            sizes = {o: n for o, n in manifests[key].sizes.items() if o in controller.options}
+            return self.cost_model.chunk_cost(tokens(key), sizes)
+
+        with self._buffers_lock:
+            reads = StreamReads([self._read_buffers.pop() if self._read_buffers else bytearray() for _ in range(2)])
+        failure = None
+        try:
+            records = stream_batch(requests, cost, fetch=lambda k, o: self.fetch(k, o, reads, manifests[k].sizes.get(o, 0)),
+                                   decode=decode, on_text=on_text, controller=controller, estimator=estimator).plan.records  # fmt: skip
+        except StreamFailure as f:  # its buffers are not kept: a fetch the driver left running may still write into one
+            failure, records = f, f.partial.trace
+        else:
+            with self._buffers_lock:
+                self._read_buffers = sorted(self._read_buffers + [b for b in reads.buffers if b], key=len)[-4:]
+        if getattr(self.store, "shares_values", False):
+            self._verified = reads.seen  # the last stream's blobs only: held by the store anyway, unless it evicted them since
+        offered = {o for m in manifests.values() for o in m.options if o in controller.options}
+        self.cost_model.relax(offered - {r.option for r in records})
+        return records, failure
 
     def _failed(self, info: GenerationInfo, f: StreamFailure) -> None:
         if isinstance(f.cause, BlobMissing):  # evicted since its manifest was read: a plain miss
