@@ -251,8 +251,8 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
                 if args.miss_contexts and store_kind in ("memory", "disk", "redis"):
                     miss_texts = read_jsonl(args.data, "prompt")[12 : 12 + args.miss_contexts]
                     emit(miss_path(args, model, tok, store_kind, urls.get(store_kind), tokens, miss_texts), out)
-                # engines sit in reference cycles (their writer threads): without a collection each store's
-                # engines and kept buffers stayed, 20 GB at 7.5K by the disk store, and the page cache went with them
+                # once each store's engines and kept buffers stayed alive (20 GB at 7.5K by the disk store, the page
+                # cache evicted): they are closed now, and anything else left in a cycle is collected here
                 gc.collect()
             print(f"# {tokens} tokens done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
     if out is not None:
@@ -295,6 +295,8 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
                     isinstance(o, int) for o in mid["options"]) else 0  # fmt: skip
                 bound = (wire(mid["bytes"]) + symbols / rate + question_s) if name != "text" else mid["ttft_s"]
                 bounds.setdefault(name, []).append(bound)
+        for e in engines.values():
+            e.close()  # their kept buffers (up to 2 x 355 MB each at 7.5K) before the next store's
     rows = []
     for name, rs in results.items():
         row = {
@@ -342,7 +344,8 @@ def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, token
             for name, eng in (("plain", plain), ("storing", storing)):
                 _, info = eng.generate(ids, max_new_tokens=8)
                 times[name].append(info.total_s)
-        storing.flush()
+        storing.close()
+        plain.close()
     cold, base = sum(times["storing"]), sum(times["plain"])
     return {"store": kind, "link_gbps": LINKS.get(kind), "context_tokens": tokens, "policy": "miss-path", "contexts": len(prompts),
             "storing_s": round(cold, 3), "plain_s": round(base, 3), "overhead": round(cold / base - 1, 4),

@@ -170,3 +170,38 @@ def test_levels_wait_while_a_request_computes_and_the_raw_form_does_not(tiny_lla
     assert w.idle.is_set() and w.flush(10)
     assert store.get(blob_key(chunk.key, 1)) is not None
     assert Manifest.from_bytes(store.get(manifest_key(chunk.key))).options == ["raw", 1]
+
+
+def test_close_writes_what_is_queued_stops_the_thread_and_frees_the_kept_buffers(tiny_llama, tiny_tokenizer):
+    store = SlowWritesStore(delay_s=0.02)
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=["raw", 1])
+    prompt = words(33, 3 * CHUNK)
+    e.generate(prompt, max_new_tokens=1)
+    e.generate(prompt, max_new_tokens=1)  # warm: its buffer goes back to the pool
+    thread = e.writer._worker._thread
+    assert e.buffers.kept_bytes > 0
+    with e:
+        pass
+    assert not thread.is_alive() and e.buffers.kept_bytes == 0 and e.reader._read_buffers == []
+    assert all(store.get(blob_key(c.key, 1)) is not None for c in e.chunks(prompt))  # the queued levels were written
+    e.generate(words(34, 2 * CHUNK), max_new_tokens=1)  # after close it still answers, storing before it returns
+    assert all(store.get(blob_key(c.key, 1)) is not None for c in e.chunks(words(34, 2 * CHUNK)))
+    assert e.close()  # closing twice is harmless
+
+
+def test_a_dropped_engine_is_freed_at_once_and_its_writer_thread_ends(tiny_llama, tiny_tokenizer):
+    import gc
+    import weakref
+
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK)
+    e.generate(words(35, 2 * CHUNK), max_new_tokens=1)
+    e.flush()
+    thread, ref = e.writer._worker._thread, weakref.ref(e)
+    gc.disable()  # freed by reference counting: no cycle through the document step or the writer
+    try:
+        del e
+        assert ref() is None
+    finally:
+        gc.enable()
+    thread.join(10)
+    assert not thread.is_alive()

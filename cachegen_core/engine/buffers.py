@@ -72,6 +72,11 @@ class BufferPool:
             parts.append(whole)
         return KVCache(parts[0], parts[1])
 
+    def clear(self) -> None:
+        """Keep nothing: the spare buffers' memory is freed once no request uses it."""
+        with self._lock:
+            self._spare.clear()
+
     @property
     def kept_bytes(self) -> int:
         """Bytes held in spare buffers."""

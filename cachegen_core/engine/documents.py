@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -75,7 +76,7 @@ class DocumentCaches:
     """The document step of an engine (see module doc)."""
 
     def __init__(self, engine: KVEngine, config: BlendConfig) -> None:
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # owned by the engine: no cycle keeping a dropped engine's buffers alive
         self.config = config
         support = blend_support(engine.model)
         self.rope: Rope | None = support if isinstance(support, Rope) else None

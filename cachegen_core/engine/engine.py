@@ -194,7 +194,7 @@ class KVEngine:
         return list(self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"])
 
     def _ids(self, context: str | Sequence[int]) -> list[int]:
-        ids = self.tokenize(context) if isinstance(context, str) else [int(t) for t in context]
+        ids = self.tokenize(context) if isinstance(context, str) else list(map(int, context))
         if not ids:
             raise ValueError("empty context: nothing to compute")
         return ids
@@ -205,7 +205,10 @@ class KVEngine:
 
     def chunks(self, context: str | Sequence[int]) -> list[Chunk]:
         """The complete chunks of a context, with their store keys."""
-        return chunk_keys(self._ids(context), chunk_tokens=self.chunk_tokens, fingerprint=self.fingerprint,
+        return self._chunk_keys(self._ids(context))
+
+    def _chunk_keys(self, ids: list[int]) -> list[Chunk]:
+        return chunk_keys(ids, chunk_tokens=self.chunk_tokens, fingerprint=self.fingerprint,
                           codec_id=self.codec.codec_id, profile_id=self.codec.profile_id or "")  # fmt: skip
 
     def calculate_kv(self, context: str | Sequence[int]) -> KVCache:
@@ -216,10 +219,11 @@ class KVEngine:
 
     def store_kv(self, context: str | Sequence[int]) -> list[str]:
         """Encode every complete chunk of ``context`` at every stored level, put them; return the chunk ids."""
-        chunks = self.chunks(context)
+        ids = self._ids(context)
+        chunks = self._chunk_keys(ids)
         if not chunks:
             return []
-        kv = self.calculate_kv(self._ids(context)[: chunks[-1].end])
+        kv = self.calculate_kv(ids[: chunks[-1].end])
         for c in progress_bar(chunks, self.progress, desc="encoding KV chunks", unit="chunk"):
             self.writer.write(c, kv.slice(c.start, c.end))
         return [c.key for c in chunks]
@@ -260,27 +264,7 @@ class KVEngine:
 
     def stream(self, prompt: str | Sequence[int], **generation_kwargs: Any) -> Iterator[str | GenerationInfo]:
         """Yield text pieces as they are generated, then the ``GenerationInfo`` last."""
-        from transformers import TextIteratorStreamer  # noqa: PLC0415
-
-        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
-        result: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                result["text"], result["info"] = self.generate(prompt, streamer=streamer, **generation_kwargs)
-            except BaseException as e:  # surfaced in the caller's thread below
-                result["error"] = e
-                streamer.end()
-
-        thread = threading.Thread(target=run, name="cachegen-generate", daemon=True)
-        thread.start()
-        for piece in streamer:
-            if piece:
-                yield piece
-        thread.join()
-        if "error" in result:
-            raise result["error"]
-        yield result["info"]
+        return hf.stream_pieces(self.tokenizer, lambda streamer: self.generate(prompt, streamer=streamer, **generation_kwargs))
 
     def prompt_kv(self, prompt: str | Sequence[int]) -> tuple[KVCache, GenerationInfo]:
         """The KV of ``prompt`` as a request builds it (stored chunks streamed, documents' caches moved and blended,
@@ -295,7 +279,7 @@ class KVEngine:
         infos = [GenerationInfo() for _ in prompts]
         all_ids = [self._ids(p) for p in prompts]
         buffers = [self.buffers.take(len(ids) + new_tokens + 1) for ids in all_ids]  # uninitialised, model dtype and device
-        all_chunks = [self.chunks(ids) for ids in all_ids]
+        all_chunks = [self._chunk_keys(ids) for ids in all_ids]
         for ids, info in zip(all_ids, infos):
             info.prompt_tokens = len(ids)
         controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token, allow_text=self.allow_text,
@@ -386,6 +370,22 @@ class KVEngine:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued chunks to be stored; False if ``timeout`` passed first."""
         return self.writer.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Store what is queued (up to ``timeout``), stop the writer's thread and free the kept buffers (a
+        prompt's KV buffer is 355 MB at 7.7K tokens of the reference model in float32). The store stays open
+        (it may be shared). Returns False if chunks were still queued at the timeout (not stored). The
+        engine still answers after it, storing new chunks before it returns."""
+        done = self.writer.close(timeout)
+        self.buffers.clear()
+        self.reader.clear()
+        return done
+
+    def __enter__(self) -> KVEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def metrics(self) -> EngineMetrics:
         """What this engine's requests did so far: hits, tokens reused, bytes, seconds (``cachegen_core.metrics``)."""

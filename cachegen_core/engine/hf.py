@@ -7,8 +7,9 @@ understands the tokenizer (every subword tokenizer), and a decoded-text check ot
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,3 +224,29 @@ def generate(
     limit = kwargs.get("max_new_tokens")
     ended = (new.numel() > 0 and int(new[-1]) in eos_ids) or hit is not None or (limit is not None and new.numel() < limit)
     return Generated(text, out.past_key_values, int(new.numel()), timer.ttft, "stop" if ended else "length", hit)
+
+
+def stream_pieces(tokenizer: Any, run: Callable[[Any], tuple[str, Any]]) -> Iterator[Any]:
+    """Yield the text pieces ``run(streamer)`` generates (in a thread of its own), then the second item of what it
+    returns; an exception it raises is raised here, in the caller's thread."""
+    from transformers import TextIteratorStreamer  # noqa: PLC0415
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["text"], result["info"] = run(streamer)
+        except BaseException as e:  # surfaced in the caller's thread below
+            result["error"] = e
+            streamer.end()
+
+    thread = threading.Thread(target=target, name="cachegen-generate", daemon=True)
+    thread.start()
+    for piece in streamer:
+        if piece:
+            yield piece
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    yield result["info"]

@@ -88,6 +88,12 @@ class ChunkReader:
         self._read_buffers: list[bytearray] = []  # kept between streams (see StreamReads)
         self._buffers_lock = threading.Lock()
 
+    def clear(self) -> None:
+        """Forget the kept read buffers and verified blobs (memory only: the next stream makes new ones)."""
+        with self._buffers_lock:
+            self._read_buffers = []
+        self._verified = {}
+
     def use_device(self, device: torch.device) -> str | None:
         """Decode levels on ``device`` (the model's) when the codec's coder has a decoder there that can
         run; else on the CPU (then copied to it). Returns why not, or None when it is used."""

@@ -115,6 +115,7 @@ class ChunkWriter:
         self._worker = _Worker(self, queue_size) if background else None
         if self._worker is not None:
             atexit.register(_flush_at_exit, weakref.ref(self))
+            weakref.finalize(self, self._worker.wake)  # a dropped writer's thread reports what was lost and ends
 
     @property
     def idle(self) -> threading.Event:
@@ -183,6 +184,16 @@ class ChunkWriter:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued chunk is written (or failed); False if ``timeout`` passed first."""
         return True if self._worker is None else self._worker.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is queued (up to ``timeout``), then stop the worker thread; chunks submitted later are
+        written in ``submit``. False if chunks were still queued at the timeout (they are not written)."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return True
+        done = worker.flush(timeout)
+        worker.stop(timeout=60)
+        return done
 
     @property
     def stats(self) -> dict[str, int]:
@@ -299,14 +310,18 @@ class _Worker:
         log.warning("the KV engine's writer was garbage-collected with %d KV chunk(s) not stored "
                     "(call flush() first)", lost)  # fmt: skip
 
+    def wake(self) -> None:
+        """Unblock a worker waiting for work, so that it notices its writer is gone."""
+        try:
+            self.queue.put_nowait(None)
+        except queue.Full:  # it is busy with the queue and will notice anyway
+            pass
+
     def stop(self, timeout: float) -> None:
         """Start no other write and wait (up to ``timeout``) for the one in hand: native and torch code
         must not be running in this thread while the interpreter shuts down."""
         self._stopping = True
-        try:
-            self.queue.put_nowait(None)  # wakes a worker waiting for work
-        except queue.Full:
-            pass
+        self.wake()
         self._thread.join(timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
