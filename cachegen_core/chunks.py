@@ -68,7 +68,7 @@ def num_complete_chunks(n_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS)
     return max(0, n_tokens) // chunk_tokens
 
 
-def _as_token_array(token_ids: Any) -> np.ndarray:
+def token_array(token_ids: Any) -> np.ndarray:
     """Token ids (list, tuple, numpy or torch, 1-D) as a little-endian uint32 array."""
     if hasattr(token_ids, "detach"):  # torch.Tensor, without importing torch here
         token_ids = token_ids.detach().cpu().numpy()
@@ -101,7 +101,7 @@ def chunk_keys(
 
     ``profile_id`` is ``""`` when the codec runs without a shared profile.
     """
-    tokens = _as_token_array(token_ids)
+    tokens = token_array(token_ids)
     n_chunks = num_complete_chunks(len(tokens), chunk_tokens)
     if n_chunks == 0:
         return []
@@ -129,7 +129,7 @@ def partial_chunks(
 ) -> list[Chunk]:
     """The partial chunks starting at chunk boundary ``start``: one ending at each multiple of ``step``
     below ``chunk_tokens`` that ``token_ids`` reach, shortest first, with their keys (see module doc)."""
-    tokens = _as_token_array(token_ids)
+    tokens = token_array(token_ids)
     if step < 1 or start % chunk_tokens:
         raise ValueError(f"step must be >= 1 and start a multiple of chunk_tokens, got step={step}, start={start}")
     ends = range(start + step, min(start + chunk_tokens, len(tokens) + 1), step)

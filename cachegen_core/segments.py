@@ -26,7 +26,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from .chunks import Chunk, _as_token_array, _field
+from .chunks import Chunk, token_array, _field
 
 _PERSON = b"cachegen-docv1"
 
@@ -102,13 +102,13 @@ def document_pieces(
     preamble: Sequence[int] = (),
 ) -> list[Chunk]:
     """The pieces of a document with their keys (see module doc); spans are relative to the document."""
-    tokens = _as_token_array(doc_ids)
+    tokens = token_array(doc_ids)
     if piece_tokens < 1:
         raise ValueError(f"piece_tokens must be >= 1, got {piece_tokens}")
     h = hashlib.blake2b(digest_size=32, person=_PERSON)
     for part in (fingerprint, codec_id, profile_id, str(piece_tokens)):
         _field(h, part.encode())
-    _field(h, _as_token_array(list(preamble)).tobytes())
+    _field(h, token_array(list(preamble)).tobytes())
     pieces = []
     for i, start in enumerate(range(0, len(tokens), piece_tokens)):
         end = min(start + piece_tokens, len(tokens))

@@ -146,3 +146,27 @@ def test_relax_moves_only_estimates_above_their_prior_and_never_past_it():
     for _ in range(200):
         m.relax(["raw"])
     assert raw_prior <= m.decode_s_per_token["raw"] < 1.01 * raw_prior
+
+
+def test_a_store_that_shares_its_objects_is_read_on_the_requests_thread_others_beside_it(tiny_llama, tiny_tokenizer):
+    """A memory store's get costs nothing: no fetch thread (a thread's start and hand-offs were its only fetch time)."""
+    import threading
+
+    class Recording(MemoryStore):
+        def __init__(self, shares: bool) -> None:
+            super().__init__()
+            self.shares_values, self.threads = shares, set()
+
+        def get(self, key):
+            self.threads.add(threading.current_thread())
+            return super().get(key)
+
+    prompt = words(3, 3 * CHUNK + 5)
+    for shares in (True, False):
+        store = Recording(shares)
+        e = engine(tiny_llama, tiny_tokenizer, store, allow_text=False)
+        e.generate(prompt, max_new_tokens=1)
+        store.threads.clear()
+        _, info = e.generate(prompt, max_new_tokens=1)
+        assert info.cached_tokens == 3 * CHUNK and store.threads
+        assert (store.threads == {threading.current_thread()}) is shares

@@ -403,6 +403,30 @@ def test_fetch_of_the_next_chunk_overlaps_decode_and_prefill():
     assert threads["decode"] is threading.current_thread() and threads["fetch"] is not threads["decode"]
 
 
+def test_without_overlap_every_fetch_runs_on_the_calling_thread_in_stream_order():
+    """``overlap=False`` (a store whose fetch costs nothing): no fetch thread; the same parts, options and failures."""
+    calls = []
+
+    def fetch(chunk, level):
+        calls.append(("fetch", chunk, threading.current_thread()))
+        if chunk == 3:
+            raise OSError("store died")
+        return b"blob"
+
+    def decode(blob, chunk, level):
+        calls.append(("decode", chunk, threading.current_thread()))
+        return chunk
+
+    kw = dict(fetch=fetch, decode=decode, on_text=lambda c: c, estimator=HarmonicMeanEstimator())
+    res = stream_chunks(range(3), costs(3), controller=Scripted(LEVELS, script=(0, 1, 0)), overlap=False, **kw)
+    assert res.parts == [0, 1, 2] and res.plan.options == [0, 1, 0]
+    assert {t for *_, t in calls} == {threading.current_thread()}
+    assert [c[:2] for c in calls] == [("fetch", 0), ("fetch", 1), ("decode", 0), ("fetch", 2), ("decode", 1), ("decode", 2)]
+    with pytest.raises(StreamFailure) as err:
+        stream_chunks(range(4), costs(4), controller=Scripted(LEVELS, script=(0, 0, 0, 0)), overlap=False, **kw)
+    assert err.value.index == 3 and err.value.partial.parts == [0, 1, 2]
+
+
 def test_failures_keep_the_decoded_prefix():
     def fetch(chunk, level):
         if chunk == 2:

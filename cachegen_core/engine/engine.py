@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..chunks import Chunk, chunk_keys, partial_chunks
+from ..chunks import Chunk, chunk_keys, partial_chunks, token_array
 from ..codec import KVCodec
 from ..config import CodecConfig
 from ..errors import CacheGenError, StoreError
@@ -207,7 +208,7 @@ class KVEngine:
         """The complete chunks of a context, with their store keys."""
         return self._chunk_keys(self._ids(context))
 
-    def _chunk_keys(self, ids: list[int]) -> list[Chunk]:
+    def _chunk_keys(self, ids: Sequence[int] | np.ndarray) -> list[Chunk]:
         return chunk_keys(ids, chunk_tokens=self.chunk_tokens, fingerprint=self.fingerprint,
                           codec_id=self.codec.codec_id, profile_id=self.codec.profile_id or "")  # fmt: skip
 
@@ -279,12 +280,13 @@ class KVEngine:
         infos = [GenerationInfo() for _ in prompts]
         all_ids = [self._ids(p) for p in prompts]
         buffers = [self.buffers.take(len(ids) + new_tokens + 1) for ids in all_ids]  # uninitialised, model dtype and device
-        all_chunks = [self._chunk_keys(ids) for ids in all_ids]
+        arrays = [token_array(ids) for ids in all_ids]  # converted once: keys, then partial chunks' keys
+        all_chunks = [self._chunk_keys(a) for a in arrays]
         for ids, info in zip(all_ids, infos):
             info.prompt_tokens = len(ids)
         controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token, allow_text=self.allow_text,
                                 floor=self.level, serial=getattr(self.store, "local", False))  # fmt: skip
-        partials = [self._partials(ids) for ids in all_ids] if 0 < self.partial_step < self.chunk_tokens else None
+        partials = [self._partials(a) for a in arrays] if 0 < self.partial_step < self.chunk_tokens else None
         covered = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
                                      estimator=self.estimator, prefill=self._prefill, partials=partials)  # fmt: skip
         for done, info in zip(covered, infos):
@@ -317,7 +319,7 @@ class KVEngine:
         """What the controller may fetch: every stored option (finest first)."""
         return sorted(self.store_options, key=rank)
 
-    def _partials(self, ids: list[int]) -> Callable[[int], list[Chunk]]:
+    def _partials(self, ids: Sequence[int] | np.ndarray) -> Callable[[int], list[Chunk]]:
         """The partial chunks of ``ids`` that may follow a run of complete chunks ending at a token."""
         return lambda end: partial_chunks(ids, end, chunk_tokens=self.chunk_tokens, step=self.partial_step, fingerprint=self.fingerprint, codec_id=self.codec.codec_id, profile_id=self.codec.profile_id or "")  # fmt: skip  # noqa: E501
 

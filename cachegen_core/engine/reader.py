@@ -342,7 +342,8 @@ class ChunkReader:
         failure = None
         try:
             records = stream_batch(requests, cost, fetch=lambda k, o: self.fetch(k, o, reads, manifests[k].sizes.get(o, 0)),
-                                   decode=decode, on_text=on_text, controller=controller, estimator=estimator).plan.records  # fmt: skip
+                                   decode=decode, on_text=on_text, controller=controller, estimator=estimator,
+                                   overlap=not getattr(self.store, "shares_values", False)).plan.records  # fmt: skip
         except StreamFailure as f:  # its buffers are not kept: a fetch the driver left running may still write into one
             failure, records = f, f.partial.trace
         else:
