@@ -587,6 +587,8 @@ def scenario_concurrent(bench: Bench, threads: int = 8, rounds: int = 3, store: 
             t.join(timeout=HANG_S * rounds)
         deadlocked = sum(t.is_alive() for t in pool)
         flushed = eng.flush(timeout=HANG_S)
+        for p in prompts[:2]:  # read back from the store itself: while its writes lag, the engine reads its hot tier
+            infos.append(tally.ask(bench, eng, p, exact=False))
         stop.set()
         watcher.join()
         stats = eng.store_stats

@@ -205,3 +205,63 @@ def test_a_dropped_engine_is_freed_at_once_and_its_writer_thread_ends(tiny_llama
         gc.enable()
     thread.join(10)
     assert not thread.is_alive()
+
+
+class SlowDisk(SlowWritesStore):
+    """A local store that hands back copies (as the disk store does); its writes wait for ``opened`` when given."""
+
+    shares_values = False
+
+    def __init__(self, opened: threading.Event | None = None) -> None:
+        super().__init__()
+        self.opened = opened
+
+    def put(self, key, value) -> None:
+        if self.opened is not None:
+            assert self.opened.wait(60)
+        super().put(key, value)
+
+    def get(self, key):
+        value = super().get(key)
+        return None if value is None else bytes(bytearray(value))
+
+
+def test_a_miss_returns_before_a_slow_local_store_holds_its_chunks_and_the_next_request_hits(tiny_llama, tiny_tokenizer):
+    """Write-behind (``hot.py``): the 16-bit form is encoded before the request returns and read from memory until stored."""
+    store = SlowDisk(opened := threading.Event())
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=["raw", 1], partial_step=0)
+    prompt = words(36, 3 * CHUNK + 7)
+    text, _ = e.generate(prompt, max_new_tokens=4)  # returns while the store takes no write at all
+    keys = [c.key for c in e.chunks(prompt)]
+    assert len(e.writer.hot) == 3 and store.order == [] and e.writer.pending == 3
+    again, info = e.generate(prompt, max_new_tokens=4)
+    assert info.cached_tokens == 3 * CHUNK and info.levels == ["raw"] * 3 and again == text  # from the hot tier
+    opened.set()
+    assert e.flush(30) and len(e.writer.hot) == 0 and e.writer.hot.nbytes == 0
+    assert all(Manifest.from_bytes(store.get(manifest_key(k))).options == ["raw", 1] for k in keys)
+    fresh = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=["raw", 1], partial_step=0)
+    same, info = fresh.generate(prompt, max_new_tokens=4)
+    assert info.cached_tokens == 3 * CHUNK and same == text  # from the store now, for any engine
+
+
+def test_a_chunk_the_store_refused_leaves_the_hot_tier(tiny_llama, tiny_tokenizer):
+    from cachegen_core.errors import StoreError
+
+    class Refusing(SlowDisk):
+        def put(self, key, value):
+            raise StoreError("disk full")
+
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=Refusing(), chunk_tokens=CHUNK, store_options=["raw", 1], partial_step=0)
+    e.generate(words(37, 2 * CHUNK + 3), max_new_tokens=1)
+    assert e.flush(30) and len(e.writer.hot) == 0 and e.store_stats["failed"] == 2
+    _, info = e.generate(words(37, 2 * CHUNK + 3), max_new_tokens=1)
+    assert info.cached_tokens == 0  # nothing claims a chunk the store does not hold
+
+
+def test_a_store_that_holds_the_very_objects_gets_the_first_stage_before_the_request_returns(tiny_llama, tiny_tokenizer):
+    store = SlowWritesStore()
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=["raw", 1], partial_step=0)
+    prompt = words(38, 2 * CHUNK + 3)
+    e.generate(prompt, max_new_tokens=1)
+    assert len(e.writer.hot) == 0 and all(store.get(blob_key(c.key, "raw")) is not None for c in e.chunks(prompt))
+    e.flush(30)

@@ -209,7 +209,7 @@ class DocumentCaches:
         """Manifests of the stored pieces among ``keys`` (one store request), with an option at least as fine as ``floor``."""
         reader = self.engine.reader
         try:
-            raw = reader.store.get_many([manifest_key(k) for k in keys])
+            raw = reader.get_many([manifest_key(k) for k in keys])
         except StoreError as e:
             reader.trouble(info, f"store failure, documents recomputed: {e}")
             return {}

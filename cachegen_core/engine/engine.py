@@ -115,7 +115,7 @@ class KVEngine:
         self.cost_model = CostModel(2 * self.kv_geometry[0] * self.kv_geometry[1] * self.kv_geometry[2])
         raw = RawCodec(self.fingerprint, limits=self.codec.limits, max_tokens=self.codec.max_tokens)
         self.writer = ChunkWriter(self.codec, store, self.store_options, raw=raw, background=background, queue_size=queue_size)
-        self.reader = ChunkReader(self.codec, store, self.kv_geometry, self.cost_model, self.writer.health, raw=raw)
+        self.reader = ChunkReader(self.codec, store, self.kv_geometry, self.cost_model, self.writer.health, raw=raw, hot=self.writer.hot)
         why = self.reader.use_device(model.device)
         if why is not None:
             log.warning("the model is on %s but chunks decode on the CPU: %s", model.device, why)

@@ -33,6 +33,7 @@ from ..raw import RawChecked, RawCodec
 from ..stores.base import KVStore
 from ..streaming import RAW_OPTIONS, TEXT, ChunkCost, ChunkRecord, Controller, Estimator, Option, StreamFailure, rank, stream_batch
 from .cost import CostModel
+from .hot import HotTier
 from .info import GenerationInfo
 from .writer import StoreHealth
 
@@ -75,9 +76,10 @@ class ChunkReader:
 
     def __init__(
         self, codec: KVCodec, store: KVStore, geometry: tuple[int, int, int], cost_model: CostModel, health: StoreHealth,
-        raw: RawCodec | None = None,
+        raw: RawCodec | None = None, hot: HotTier | None = None,
     ) -> None:  # fmt: skip
         self.codec = codec
+        self.hot = hot  # the writer's chunks not yet stored (``hot.py``), looked up before the store
         self.raw = raw or RawCodec(codec.fingerprint)
         self.store = store
         self.decode_device = torch.device("cpu")  # where levels are entropy-decoded (see ``use_device``)
@@ -110,6 +112,12 @@ class ChunkReader:
         self.decode_device = device
         return None
 
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """The store's values of ``keys`` (manifests), the hot tier's first."""
+        if self.hot is None or not len(self.hot):
+            return self.store.get_many(keys)
+        return self.hot.get_many(keys, self.store.get_many)
+
     def trouble(self, info: GenerationInfo, msg: str) -> None:
         """A store failure: in the request's errors always, in the log once until the store recovers."""
         info.errors.append(msg)
@@ -121,7 +129,7 @@ class ChunkReader:
         if not chunks:
             return []
         try:
-            raw = self.store.get_many([manifest_key(c.key) for c in chunks])
+            raw = self.get_many([manifest_key(c.key) for c in chunks])
         except StoreError as e:
             self.trouble(info, f"store failure, recomputing every chunk: {e}")
             return []
@@ -159,7 +167,7 @@ class ChunkReader:
         if not candidates:
             return None
         try:
-            raw = self.store.get_many([manifest_key(c.key) for c in candidates])
+            raw = self.get_many([manifest_key(c.key) for c in candidates])
         except StoreError as e:
             self.trouble(info, f"store failure looking up a partial chunk: {e}")
             return None
@@ -179,7 +187,9 @@ class ChunkReader:
         name = blob_key(key, option)
         shares = getattr(self.store, "shares_values", False)
         read_into = getattr(self.store, "read_into", None)
-        if reads is not None and read_into is not None and not shares and option in RAW_OPTIONS and size > 0:
+        if self.hot is not None and (blob := self.hot.get(name)) is not None:
+            pass  # before the store: an entry leaves the hot tier only once the store holds it
+        elif reads is not None and read_into is not None and not shares and option in RAW_OPTIONS and size > 0:
             blob = read_into(name, reads.buffer(size))
         else:
             blob = self.store.get(name)

@@ -6,8 +6,11 @@ off the request's path), and the store's health (a failing store is logged once,
 chunk, until it recovers). A chunk is written in two stages: its raw forms (cheap: a
 conversion and a checksum) with a manifest naming them, then its compression levels with a
 manifest naming everything. On a local store (``store.local``: memory, disk) the first
-stage is written before the request answers, so the next request finds its chunks; on a
-remote one the worker runs every queued chunk's first stage before any later stage. Each
+stage is ready before the request answers, so the next request finds its chunks: written to a
+store that holds the very objects (memory), else encoded into the :class:`~.hot.HotTier` the
+engine's reader looks in first, and stored by the worker (a disk write, 40 ms per 35 MB chunk, is
+off the request's path). On a remote store the worker runs every queued chunk's first stage
+before any later stage. Each
 manifest goes after the blobs it names (see ``manifest.py``), so a reader never sees a
 partially written chunk.
 """
@@ -32,6 +35,7 @@ from ..kv import KVCache
 from ..manifest import RAW_OPTIONS, Manifest, Option, manifest_key
 from ..raw import RawCodec
 from ..stores.base import KVStore
+from .hot import HotTier
 
 log = logging.getLogger("cachegen_core.engine")
 
@@ -112,6 +116,7 @@ class ChunkWriter:
         self.options = list(dict.fromkeys(options))
         self.health = health or StoreHealth()
         self.first_stage_now = first_stage_now
+        self.hot = HotTier()  # first stages encoded but not yet stored (see ``submit``)
         self._worker = _Worker(self, queue_size) if background else None
         if self._worker is not None:
             atexit.register(_flush_at_exit, weakref.ref(self))
@@ -138,11 +143,12 @@ class ChunkWriter:
     def encode(self, kv: KVCache, option: Option) -> bytes:
         return self.raw.encode(kv, option) if option in RAW_OPTIONS else self.codec.encode(kv, option)  # type: ignore[arg-type]
 
-    def write(self, chunk: Chunk, kv: KVCache, stage: int | None = None, before: Manifest | None = None) -> Manifest:
+    def write(self, chunk: Chunk, kv: KVCache, stage: int | None = None, before: Manifest | None = None,
+              blobs: dict[Option, bytes] | None = None) -> Manifest:  # fmt: skip
         """Store ``kv`` (the chunk's tokens) in every option (or those of one ``stage``, adding to the
-        manifest ``before``); raises ``StoreError``/``CacheGenError``."""
+        manifest ``before``; ``blobs``: that stage already encoded); raises ``StoreError``/``CacheGenError``."""
         options = self.options if stage is None else self.stages[stage]
-        blobs = {o: self.encode(kv, o) for o in options}
+        blobs = blobs if blobs is not None else {o: self.encode(kv, o) for o in options}
         try:
             self.store.put_many([(blob_key(chunk.key, o), b) for o, b in blobs.items()])
             # Another writer (another engine configuration) may have stored other forms of this chunk:
@@ -165,8 +171,10 @@ class ChunkWriter:
             return {}
 
     def submit(self, chunk: Chunk, kv: KVCache) -> bool:
-        """Queue the chunk for the worker (False: the queue is full, dropped), or write it now without one;
-        on a local store its first stage is written now either way. Raises what ``write`` raises."""
+        """Queue the chunk for the worker (False: the queue is full, dropped), or write it now without one.
+        On a local store its first stage is ready before this returns: written (a store that holds the very
+        objects, or ``first_stage_now=True``), else encoded into :attr:`hot`, where this engine's reader finds
+        it until the worker has stored it (``hot.py``). Raises what ``write`` raises."""
         if self._worker is None:
             self.write(chunk, kv)
             return True
@@ -175,11 +183,23 @@ class ChunkWriter:
         now = self.first_stage_now if self.first_stage_now is not None else cheap and getattr(self.store, "local", False)
         if not now:
             return self._worker.submit(chunk, kv, 0, None)
+        if self.first_stage_now is None and not getattr(self.store, "shares_values", False):
+            return self._write_behind(chunk, kv, stages[0])
         manifest = self.write(chunk, kv, 0)
         if len(stages) == 1:
             self._worker.written += 1
             return True
         return self._worker.submit(chunk, kv, 1, manifest)
+
+    def _write_behind(self, chunk: Chunk, kv: KVCache, options: list[Option]) -> bool:
+        assert self._worker is not None
+        blobs = {o: self.encode(kv, o) for o in options}
+        manifest = Manifest({**self._stored(chunk), **{o: len(b) for o, b in blobs.items()}})
+        self.hot.put(chunk.key, {**{blob_key(chunk.key, o): b for o, b in blobs.items()}, manifest_key(chunk.key): manifest.to_bytes()})
+        if not self._worker.submit(chunk, kv, 0, None, blobs):
+            self.hot.discard(chunk.key)
+            return False
+        return True
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued chunk is written (or failed); False if ``timeout`` passed first."""
@@ -215,7 +235,8 @@ class _Worker:
 
     def __init__(self, writer: ChunkWriter, maxsize: int) -> None:
         self._writer = weakref.proxy(writer)
-        self.queue: queue.Queue[tuple[Chunk, KVCache, int, Manifest | None] | None] = queue.Queue(maxsize=maxsize)
+        self._hot = writer.hot
+        self.queue: queue.Queue[tuple[Chunk, KVCache, int, Manifest | None, dict[Option, bytes] | None] | None] = queue.Queue(maxsize=maxsize)
         self._later: deque[tuple[Chunk, KVCache, Manifest | None, int]] = deque()  # chunks with later stages to write
         self.dropped = self.failed = self.written = 0
         self._full = False  # dropping chunks since the queue last had room (logged once)
@@ -223,10 +244,10 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name="cachegen-store", daemon=True)
         self._thread.start()
 
-    def submit(self, chunk: Chunk, kv: KVCache, stage: int, manifest: Manifest | None) -> bool:
-        """Queue stages ``stage`` on of a chunk (``manifest``: what earlier stages wrote)."""
+    def submit(self, chunk: Chunk, kv: KVCache, stage: int, manifest: Manifest | None, blobs: dict[Option, bytes] | None = None) -> bool:
+        """Queue stages ``stage`` on of a chunk (``manifest``: what earlier stages wrote; ``blobs``: the first stage, encoded)."""
         try:
-            self.queue.put_nowait((chunk, kv, stage, manifest))
+            self.queue.put_nowait((chunk, kv, stage, manifest, blobs))
             self._full = False
             return True
         except queue.Full:
@@ -259,9 +280,9 @@ class _Worker:
             try:
                 if item is None:
                     return
-                chunk, kv, stage, manifest = item
+                chunk, kv, stage, manifest, blobs = item
                 if stage == 0:
-                    self._write(chunk, kv, self._writer.stages)
+                    self._write(chunk, kv, self._writer.stages, blobs)
                 else:  # a later stage waits for every new chunk's first stage
                     with self.queue.mutex:
                         self.queue.unfinished_tasks += 1
@@ -271,10 +292,11 @@ class _Worker:
             finally:
                 self.queue.task_done()
 
-    def _write(self, chunk: Chunk, kv: KVCache, stages: list[list[Option]]) -> None:
-        """The first stage now; the others queued (counted as written when the last is)."""
+    def _write(self, chunk: Chunk, kv: KVCache, stages: list[list[Option]], blobs: dict[Option, bytes] | None = None) -> None:
+        """The first stage now (``blobs``: encoded already, held in the hot tier until stored); the others queued
+        (counted as written when the last is)."""
         try:
-            manifest = self._writer.write(chunk, kv, 0)
+            manifest = self._writer.write(chunk, kv, 0, blobs=blobs)
             if len(stages) > 1:
                 with self.queue.mutex:  # flush() waits for the later stages too
                     self.queue.unfinished_tasks += 1
@@ -288,6 +310,9 @@ class _Worker:
         except Exception as e:  # a failed write is reported, never raised into a request
             self.failed += 1
             log.warning("storing chunk failed: %s", e)
+        finally:
+            if blobs is not None:
+                self._hot.discard(chunk.key)  # stored, or not to be: the store answers for it now
 
     def _later_stage(self) -> None:
         chunk, kv, manifest, first = self._later.popleft()
