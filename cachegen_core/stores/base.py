@@ -90,10 +90,12 @@ class BaseKVStore:
 
     Subclasses implement ``get``, ``put``, ``contains``, ``delete``, ``keys`` and
     ``close``; they override the batch methods when the backend has real batch ops.
-    ``local``: the store lives on this machine (memory, local disk), so writing a chunk's
-    raw form costs little and the engine does it before answering (see ``ChunkWriter``).
+    ``local``: the store lives on this machine (memory, local disk), so encoding a chunk's raw
+    form costs little and the engine has it ready before answering (see ``ChunkWriter``).
     ``shares_values``: ``get`` returns the very ``bytes`` object the store holds (an in-process
-    store), so a reader that verified that object once need not hash it again (see ``ChunkReader``).
+    store): a reader that verified that object once need not hash it again, a fetch runs on the
+    request's thread (see ``ChunkReader``), and a local store of this kind takes the raw form
+    before the answer (a dict insert), where another one gets it from the writer's worker.
     """
 
     local: bool = False
