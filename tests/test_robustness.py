@@ -224,3 +224,27 @@ def test_interpreter_exit_with_queued_writes(tmp_path, cap):
         assert stored == 4, proc.stderr[-2000:]  # every queued chunk written before exit
     else:
         assert stored < 4 and "not yet stored" in proc.stderr, proc.stderr[-2000:]
+
+
+_DROP_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+from benchmarks.robustness import Bench, prompt
+from cachegen_core.stores import MemoryStore
+bench = Bench.tiny()
+for i in range(3):
+    eng = bench.engine(MemoryStore(), background=True)
+    eng.generate(prompt(196 + i, chunks=2), max_new_tokens=1)
+    eng.flush()
+    del eng  # its writer's thread, woken by a finaliser, ends as the interpreter does
+"""
+
+
+def test_an_engine_dropped_just_before_exit_leaves_a_clean_exit(tmp_path):
+    """Its writer thread, still ending while the interpreter finalised, aborted the process ("terminate called
+    without an active exception") in about half the runs; it is joined at exit now."""
+    script = tmp_path / "drop.py"
+    script.write_text(_DROP_SCRIPT.format(root=str(ROOT)))
+    for _ in range(4):
+        proc = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0 and "terminate" not in proc.stderr, proc.stderr[-2000:]

@@ -120,7 +120,7 @@ class ChunkWriter:
         self._worker = _Worker(self, queue_size) if background else None
         if self._worker is not None:
             atexit.register(_flush_at_exit, weakref.ref(self))
-            weakref.finalize(self, self._worker.wake)  # a dropped writer's thread reports what was lost and ends
+            weakref.finalize(self, _wake_dropped, self._worker).atexit = False  # at exit _flush_at_exit stops it
 
     @property
     def idle(self) -> threading.Event:
@@ -359,6 +359,23 @@ class _Worker:
                 return False
             time.sleep(0.01)
         return True
+
+
+_ENDING: list[threading.Thread] = []  # threads of dropped writers, woken to end: joined before the interpreter goes
+
+
+def _wake_dropped(worker: _Worker) -> None:
+    """A dropped writer's thread reports what it could not write and ends."""
+    worker.wake()
+    _ENDING[:] = [t for t in _ENDING if t.is_alive()] + [worker._thread]
+
+
+@atexit.register  # registered first, so it runs after every writer's _flush_at_exit
+def _join_ending() -> None:
+    """A thread still ending while the interpreter finalises aborted the process ("terminate called without an
+    active exception", after an engine dropped just before exit): wait for them."""
+    for t in _ENDING:
+        t.join(timeout=10)
 
 
 def _flush_at_exit(ref: Callable[[], ChunkWriter | None]) -> None:
