@@ -10,8 +10,11 @@ temporary directory), with a store wrapper that counts requests and bytes.
 
 One JSON line per turn: ``turn``, ``prompt_tokens``, ``cached_tokens``, ``recomputed_tokens``,
 ``new_tokens``, ``ttft_s``, and ``added_tokens`` (prompt tokens since the previous turn's prompt),
-``store_requests`` (store calls during the turn: lookups, fetches, writes), ``store_bytes`` (bytes
-stored so far) and ``partial_bytes`` (of those, partial chunks': the cost of reusing every token).
+``store_requests`` (store calls during the turn: lookups, fetches, writes, deletes), ``store_bytes``
+(bytes stored so far), ``partial_bytes`` (of those, partial chunks': the cost of reusing every token)
+and ``branch`` (false). A last line with ``branch`` true asks the first turn again with another
+question (an edited first message): it reuses the first turn's partial chunk, which later turns
+extended, so only its level is left in the store (``ChunkWriter.supersede``).
 """
 
 from __future__ import annotations
@@ -64,10 +67,12 @@ class CountingStore:
         return self.inner.contains(key)
 
     def delete(self, key: str) -> None:
+        self.requests += 1
         self.sizes.pop(key, None)
         self.inner.delete(key)
 
     def delete_many(self, keys: Sequence[str]) -> None:
+        self.requests += 1
         for k in keys:
             self.sizes.pop(k, None)
         self.inner.delete_many(keys)
@@ -114,8 +119,12 @@ def run(args: argparse.Namespace, store_dir: str) -> None:
     out = open(args.out, "a") if args.out else None
     partial_keys: set[str] = set()
     last = 0
-    for turn in range(1, args.turns + 1):
-        history.append(HumanMessage(QUESTIONS[(turn - 1) % len(QUESTIONS)]))
+    for turn in range(1, args.turns + 2):
+        branch = turn > args.turns
+        if branch:  # the first question edited: the system message, then another question
+            turn, history = 1, [history[0], HumanMessage("Which topic came last?")]
+        else:
+            history.append(HumanMessage(QUESTIONS[(turn - 1) % len(QUESTIONS)]))
         before = store.requests
         answer = chat.invoke(history)
         history.append(answer)
@@ -124,12 +133,13 @@ def run(args: argparse.Namespace, store_dir: str) -> None:
         partial_keys |= partial_entries(engine, tok, history[:-1], meta["prompt_tokens"])
         emit({
             "turn": turn,
+            "branch": branch,
             "prompt_tokens": meta["prompt_tokens"],
             "cached_tokens": meta["cached_tokens"],
             "recomputed_tokens": meta["recomputed_tokens"],
             "new_tokens": meta["new_tokens"],
             "ttft_s": round(meta["ttft_s"], 4),
-            "added_tokens": meta["prompt_tokens"] - last,
+            "added_tokens": None if branch else meta["prompt_tokens"] - last,
             "store_requests": store.requests - before,
             "store_bytes": sum(store.sizes.values()),
             "partial_bytes": sum(n for k, n in store.sizes.items() if k.split("-")[0] in partial_keys),

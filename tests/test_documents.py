@@ -12,6 +12,7 @@ from cachegen_core.codec import KVCodec
 from cachegen_core.config import CodecConfig
 from cachegen_core.engine import KVEngine
 from cachegen_core.engine.blend import BlendConfig
+from cachegen_core.manifest import Manifest, manifest_key
 from cachegen_core.segments import SegmentedPrompt
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import make_tiny_llama, words
@@ -148,6 +149,39 @@ def test_a_short_prompt_is_reused_by_the_next_prompt_extending_it(tiny_llama, ti
     assert info.cached_tokens == 48 and info.partial_tokens == 48  # BOS + 50 words, rounded down to 16s
     _, off = _engine(tiny_llama, tiny_tokenizer, chunk_tokens=1536, partial_step=0).generate(first, max_new_tokens=2)
     assert off.cached_tokens == 0
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_partial_chunk_a_longer_one_extends_keeps_only_its_level(tiny_llama, tiny_tokenizer, background):
+    """Its raw form was the next turn's fast path; once extended, the level alone stays (4x less space) and a prompt
+    branching off it (a regenerated or edited turn) still reuses it, from the level."""
+    store = MemoryStore()
+    engine = _engine(tiny_llama, tiny_tokenizer, store, chunk_tokens=1536, level=1, store_options=["raw", 1],
+                     allow_text=False, background=background)  # fmt: skip
+    first = words(61, 50)
+    engine.generate(first, max_new_tokens=2)
+    _, info = engine.generate(first + " " + words(62, 20), max_new_tokens=2)
+    assert engine.flush(30) and info.partial_tokens == 48 and info.levels == ["raw"]
+    old, new = (engine._partials(engine.tokenize(p))(0)[-1] for p in (first, first + " " + words(62, 20)))
+    assert (old.end, new.end) == (48, 64)
+    assert Manifest.from_bytes(store.get(manifest_key(old.key))).options == [1]
+    assert store.get(blob_key(old.key, "raw")) is None and store.get(blob_key(old.key, 1)) is not None
+    assert Manifest.from_bytes(store.get(manifest_key(new.key))).options == ["raw", 1]
+    _, branch = engine.generate(first + " " + words(63, 20), max_new_tokens=2)
+    assert branch.partial_tokens == 48 and branch.levels == [1] and not branch.errors
+
+
+@pytest.mark.parametrize("level", [0, "raw"])
+def test_a_partial_chunk_keeps_its_raw_form_without_a_level_as_fine_as_the_engines(tiny_llama, tiny_tokenizer, level):
+    store = MemoryStore()
+    options = ["raw", 1] if level == 0 else ["raw"]  # level 1 is coarser than the engine's 0: dropping raw would lose it
+    engine = _engine(tiny_llama, tiny_tokenizer, store, chunk_tokens=1536, level=level, store_options=options)
+    first = words(61, 50)
+    engine.generate(first, max_new_tokens=2)
+    engine.generate(first + " " + words(62, 20), max_new_tokens=2)
+    old = engine._partials(engine.tokenize(first))(0)[-1]
+    assert Manifest.from_bytes(store.get(manifest_key(old.key))).options == options
+    assert store.get(blob_key(old.key, "raw")) is not None
 
 
 def test_a_chats_next_turn_recomputes_only_what_it_added(tiny_llama, tiny_tokenizer, tmp_path, monkeypatch):

@@ -44,8 +44,9 @@ def test_rag_reuse_rows(tiny_model_dir, data, tmp_path):
 def test_chat_reuse_rows(tiny_model_dir, data, tmp_path):
     out = tmp_path / "chat.jsonl"
     chat_reuse.main(["--model", tiny_model_dir, "--data", data, "--quick", "--system-tokens", "1600", "--out", str(out)])
-    rows = _rows(out)
-    assert [r["turn"] for r in rows] == [1, 2, 3, 4] and all(CHAT_KEYS <= set(r) for r in rows)
+    rows, branch = _rows(out)[:-1], _rows(out)[-1]
+    assert [r["turn"] for r in rows] == [1, 2, 3, 4] and all(CHAT_KEYS <= set(r) and not r["branch"] for r in rows)
+    assert branch["branch"] and branch["turn"] == 1 and branch["prompt_tokens"] != rows[0]["prompt_tokens"]
     assert rows[0]["cached_tokens"] == 0 and rows[0]["partial_bytes"] > 0
     for r in rows[1:]:
         assert r["recomputed_tokens"] <= r["added_tokens"] + 64 and r["store_requests"] >= 2

@@ -152,8 +152,7 @@ class KVEngine:
         if isinstance(path_or_model, (str, Path)):
             from ..models import load_model  # noqa: PLC0415
 
-            if device is None and device_map is None:
-                device = "cpu"
+            device = "cpu" if device is None and device_map is None else device
             model, tok = load_model(path_or_model, dtype=dtype, device=device, device_map=device_map, model_kwargs=model_kwargs)
             use_gqa_attention(model)  # a model of our own: its grouped KV heads read in place (attention.py)
             tokenizer = tokenizer or tok
@@ -195,8 +194,7 @@ class KVEngine:
         return list(self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"])
 
     def _ids(self, context: str | Sequence[int]) -> list[int]:
-        ids = self.tokenize(context) if isinstance(context, str) else list(map(int, context))
-        if not ids:
+        if not (ids := self.tokenize(context) if isinstance(context, str) else list(map(int, context))):
             raise ValueError("empty context: nothing to compute")
         return ids
 
@@ -353,17 +351,19 @@ class KVEngine:
 
     def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo, ids: Sequence[int],
                           exact: int, spans: Sequence[tuple[int, int]] = ()) -> None:  # fmt: skip
-        """Hand the writer the complete chunks computed (not fetched) in this request and the partial chunks ending
-        before ``exact`` (past it reused documents made the KV approximate) and before the first document, as views
-        of the request's buffer (which the model filled in place and nobody writes to any more)."""
-        limit = min(exact, len(ids))
-        ends = sorted({limit, *(s for s, _ in spans[:1] if s < limit)}) if 0 < self.partial_step < self.chunk_tokens else []
+        """Hand the writer, as views of the request's buffer (filled in place, written to no more), the complete chunks
+        computed (not fetched) here and the partial chunks ending before ``exact`` (past it reused documents made the KV
+        approximate) and the first document; a reused partial chunk they extend keeps only its levels (``supersede``)."""
+        limit, partial = min(exact, len(ids)), 0 < self.partial_step < self.chunk_tokens
+        ends = sorted({limit, *(s for s, _ in spans[:1] if s < limit)}) if partial else []
         for c in [*chunks, *(p for end in ends for p in self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:])]:
             if c.end <= done or c.end > limit:
                 continue
             try:
                 if self.writer.submit(c, buffer.slice(c.start, c.end)):
                     info.chunks_queued += 1
+                    if partial and c.start < done:  # done % chunk_tokens > 0: the partial chunk ending at done
+                        self.writer.supersede(self._partials(list(ids[:done]))(c.start)[-1], self.level)
             except StoreError as e:  # logged once by the writer, not per chunk
                 info.errors.append(f"storing chunk {c.index} failed: {e}")
             except CacheGenError as e:

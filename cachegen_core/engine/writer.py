@@ -1,7 +1,7 @@
 """ChunkWriter: encode a chunk's KV in every stored form and put it in the store, then its manifest.
 
 It owns what writing needs and nothing of the engine: the codecs, the store, the options
-kept, an optional background worker (a daemon thread with a bounded queue, so storing is
+kept, an optional background worker (``worker.py``: a daemon thread with a bounded queue, so storing is
 off the request's path), and the store's health (a failing store is logged once, not per
 chunk, until it recovers). A chunk is written in two stages: its raw forms (cheap: a
 conversion and a checksum) with a manifest naming them, then its compression levels with a
@@ -12,19 +12,16 @@ engine's reader looks in first, and stored by the worker (a disk write, 40 ms pe
 off the request's path). On a remote store the worker runs every queued chunk's first stage
 before any later stage. Each
 manifest goes after the blobs it names (see ``manifest.py``), so a reader never sees a
-partially written chunk.
+partially written chunk. A partial chunk that a longer one superseded loses its raw forms
+(:meth:`ChunkWriter.supersede`), its manifest rewritten before they are deleted.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import os
-import queue
 import threading
-import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
@@ -35,7 +32,9 @@ from ..kv import KVCache
 from ..manifest import RAW_OPTIONS, Manifest, Option, manifest_key
 from ..raw import RawCodec
 from ..stores.base import KVStore
+from ..streaming import rank
 from .hot import HotTier
+from .worker import DropRaw, Worker, wake_dropped
 
 log = logging.getLogger("cachegen_core.engine")
 
@@ -117,10 +116,10 @@ class ChunkWriter:
         self.health = health or StoreHealth()
         self.first_stage_now = first_stage_now
         self.hot = HotTier()  # first stages encoded but not yet stored (see ``submit``)
-        self._worker = _Worker(self, queue_size) if background else None
+        self._worker = Worker(self, queue_size) if background else None
         if self._worker is not None:
             atexit.register(_flush_at_exit, weakref.ref(self))
-            weakref.finalize(self, _wake_dropped, self._worker).atexit = False  # at exit _flush_at_exit stops it
+            weakref.finalize(self, wake_dropped, self._worker).atexit = False  # at exit _flush_at_exit stops it
 
     @property
     def idle(self) -> threading.Event:
@@ -169,6 +168,32 @@ class ChunkWriter:
             return dict(Manifest.from_bytes(raw).sizes) if raw is not None else {}
         except CacheGenFormatError:
             return {}
+
+    def supersede(self, chunk: Chunk, floor: Option) -> None:
+        """``chunk`` (a partial chunk) was extended by a longer one just submitted: once what was submitted
+        before is written, keep only its levels (:meth:`drop_raw`). Raises what ``drop_raw`` raises without a worker."""
+        if self._worker is None:
+            self.drop_raw(chunk, floor)
+        else:
+            self._worker.submit_drop(DropRaw(chunk, floor))
+
+    def drop_raw(self, chunk: Chunk, floor: Option) -> bool:
+        """Delete the raw forms of a chunk that holds a level at least as fine as ``floor`` (else change nothing
+        and return False): it stays reusable, at a level's size and decode time. Its manifest is rewritten first,
+        so a reader never asks for a deleted blob (one that read the old manifest just before gets a plain miss).
+        The raw form of a partial chunk is the next turn's fast path, useless once a longer one extends it; kept,
+        it was ~3/4 of a chat's stored bytes (``docs/results.md``, "A chat's next turn")."""
+        sizes = self._stored(chunk)
+        levels = {o: n for o, n in sizes.items() if o not in RAW_OPTIONS}
+        if len(levels) == len(sizes) or not any(rank(o) <= rank(floor) for o in levels):
+            return False
+        try:
+            self.store.put(manifest_key(chunk.key), Manifest(levels).to_bytes())
+            self.store.delete_many([blob_key(chunk.key, o) for o in sizes if o in RAW_OPTIONS])
+        except StoreError as e:
+            self.health.failed(f"store write failed: {e}")
+            raise
+        return True
 
     def submit(self, chunk: Chunk, kv: KVCache) -> bool:
         """Queue the chunk for the worker (False: the queue is full, dropped), or write it now without one.
@@ -224,158 +249,6 @@ class ChunkWriter:
     @property
     def pending(self) -> int:
         return 0 if self._worker is None else self._worker.queue.unfinished_tasks
-
-
-class _Worker:
-    """A daemon thread writing queued chunks, first stages first; holds its writer weakly, so a dropped
-    writer is reported. It runs at the lowest CPU priority (Linux: nice +19, inherited by the native
-    coder's and OpenMP's threads it starts): at +10 it still slowed the requests' prefill beside it
-    by 10-40 % on 2 cores (``benchmarks.warm_path`` miss-path rows). Its torch thread count is left
-    alone: ``torch.set_num_threads`` would also set the default of threads started later."""
-
-    def __init__(self, writer: ChunkWriter, maxsize: int) -> None:
-        self._writer = weakref.proxy(writer)
-        self._hot = writer.hot
-        self.queue: queue.Queue[tuple[Chunk, KVCache, int, Manifest | None, dict[Option, bytes] | None] | None] = queue.Queue(maxsize=maxsize)
-        self._later: deque[tuple[Chunk, KVCache, Manifest | None, int]] = deque()  # chunks with later stages to write
-        self.dropped = self.failed = self.written = 0
-        self._full = False  # dropping chunks since the queue last had room (logged once)
-        self._stopping = False  # at exit: finish the write in hand, start no other
-        self._thread = threading.Thread(target=self._run, name="cachegen-store", daemon=True)
-        self._thread.start()
-
-    def submit(self, chunk: Chunk, kv: KVCache, stage: int, manifest: Manifest | None, blobs: dict[Option, bytes] | None = None) -> bool:
-        """Queue stages ``stage`` on of a chunk (``manifest``: what earlier stages wrote; ``blobs``: the first stage, encoded)."""
-        try:
-            self.queue.put_nowait((chunk, kv, stage, manifest, blobs))
-            self._full = False
-            return True
-        except queue.Full:
-            self.dropped += 1
-            if not self._full:  # once per overload, not per dropped chunk
-                log.warning("store queue full (%d chunks): chunk %s not stored (further drops counted in "
-                            "store_stats, not logged, until it drains)", self.queue.maxsize, chunk.key[:12])  # fmt: skip
-            self._full = True
-            return False
-
-    def _run(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
-        except (AttributeError, OSError):
-            pass
-        while not self._stopping:
-            try:  # a new chunk's first stage before any chunk's later stages, which wait for no request to run
-                if not self._later:
-                    item = self.queue.get()
-                elif self._writer.idle.is_set():
-                    item = self.queue.get_nowait()
-                else:
-                    item = self.queue.get(timeout=0.05)
-            except queue.Empty:
-                if self._writer.idle.is_set():
-                    self._later_stage()
-                continue
-            except ReferenceError:
-                return self._dropped_writer()
-            try:
-                if item is None:
-                    return
-                chunk, kv, stage, manifest, blobs = item
-                if stage == 0:
-                    self._write(chunk, kv, self._writer.stages, blobs)
-                else:  # a later stage waits for every new chunk's first stage
-                    with self.queue.mutex:
-                        self.queue.unfinished_tasks += 1
-                    self._later.append((chunk, kv, manifest, stage))
-            except ReferenceError:
-                return self._dropped_writer()
-            finally:
-                self.queue.task_done()
-
-    def _write(self, chunk: Chunk, kv: KVCache, stages: list[list[Option]], blobs: dict[Option, bytes] | None = None) -> None:
-        """The first stage now (``blobs``: encoded already, held in the hot tier until stored); the others queued
-        (counted as written when the last is)."""
-        try:
-            manifest = self._writer.write(chunk, kv, 0, blobs=blobs)
-            if len(stages) > 1:
-                with self.queue.mutex:  # flush() waits for the later stages too
-                    self.queue.unfinished_tasks += 1
-                self._later.append((chunk, kv, manifest, 1))
-            else:
-                self.written += 1
-        except ReferenceError:
-            raise
-        except StoreError:  # the writer logs a failing store once, not per chunk
-            self.failed += 1
-        except Exception as e:  # a failed write is reported, never raised into a request
-            self.failed += 1
-            log.warning("storing chunk failed: %s", e)
-        finally:
-            if blobs is not None:
-                self._hot.discard(chunk.key)  # stored, or not to be: the store answers for it now
-
-    def _later_stage(self) -> None:
-        chunk, kv, manifest, first = self._later.popleft()
-        try:
-            for stage in range(first, len(self._writer.stages)):
-                manifest = self._writer.write(chunk, kv, stage, before=manifest)
-            self.written += 1
-        except ReferenceError:
-            self._dropped_writer()
-        except StoreError:
-            self.failed += 1
-        except Exception as e:
-            self.failed += 1
-            log.warning("storing chunk failed: %s", e)
-        finally:
-            self.queue.task_done()
-
-    def _dropped_writer(self) -> None:
-        lost = 1 + self.queue.qsize() + len(self._later)
-        log.warning("the KV engine's writer was garbage-collected with %d KV chunk(s) not stored "
-                    "(call flush() first)", lost)  # fmt: skip
-
-    def wake(self) -> None:
-        """Unblock a worker waiting for work, so that it notices its writer is gone."""
-        try:
-            self.queue.put_nowait(None)
-        except queue.Full:  # it is busy with the queue and will notice anyway
-            pass
-
-    def stop(self, timeout: float) -> None:
-        """Start no other write and wait (up to ``timeout``) for the one in hand: native and torch code
-        must not be running in this thread while the interpreter shuts down."""
-        self._stopping = True
-        self.wake()
-        self._thread.join(timeout)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        if timeout is None:
-            self.queue.join()
-            return True
-        deadline = time.monotonic() + timeout
-        while self.queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
-
-_ENDING: list[threading.Thread] = []  # threads of dropped writers, woken to end: joined before the interpreter goes
-
-
-def _wake_dropped(worker: _Worker) -> None:
-    """A dropped writer's thread reports what it could not write and ends."""
-    worker.wake()
-    _ENDING[:] = [t for t in _ENDING if t.is_alive()] + [worker._thread]
-
-
-@atexit.register  # registered first, so it runs after every writer's _flush_at_exit
-def _join_ending() -> None:
-    """A thread still ending while the interpreter finalises aborted the process ("terminate called without an
-    active exception", after an engine dropped just before exit): wait for them."""
-    for t in _ENDING:
-        t.join(timeout=10)
 
 
 def _flush_at_exit(ref: Callable[[], ChunkWriter | None]) -> None:
