@@ -14,7 +14,7 @@ A variant is a :class:`Variant`; the recompute share counts every cached token r
 check layer on (forced or picked) against ``ceil(ratio * cached)``; ``layer_share`` is the share of
 (region token, layer) pairs computed, the layer-0 pass and layers before the check included.
 The variant ``default`` runs ``blend.blend`` with ``BlendConfig()`` as ``DocumentCaches`` does
-(``name:engine=1,ratio=R``: ``blend.blend`` at ratio R, deviation only, as before the last document came first).
+(``S:engine=1,ratio=R``: the same at ratio R with ``BlendConfig(select=S)`` when S is one of ``blend.SELECTIONS``).
 
 One JSON line per (variant, prompt) (``"row": "prompt"``) and one summary per variant
 (``"row": "summary"``: ``ppl_rel_delta`` over all prompts' tokens as rag_reuse computes it,
@@ -50,7 +50,13 @@ class Variant:
     the budget's worth at the next layer (CacheBlend's gradual filtering); ``backfill``: with a check layer
     past 1, write the picked tokens' fresh KV of the layers before it too; ``preamble``: what each document
     is computed after (``bos``, ``none``, or a key of ``PREAMBLES``); ``engine``: run ``blend.blend`` with
-    ``BlendConfig(recompute_ratio=ratio)`` (the shipped default) instead of this script's variant code.
+    ``BlendConfig(recompute_ratio=ratio)`` (the shipped default) instead of this script's variant code;
+    ``select``: what fills the budget: ``dev`` (the deviation), ``query`` (the attention the question's tokens pay
+    to each cached token over the concatenated caches, summed over layers and heads: what the answer reads) or
+    ``query*dev`` (their product, each over its mean); ``qagg``: how ``query`` pools heads and question
+    tokens per layer (``sum`` of the attention, ``max``, ``vsum``: the attention times the value's norm, ``norm``:
+    each head and token's attention over the region scaled to sum to 1, ``sqrt``: the sum of its square roots);
+    ``qlast``: only the question's last tokens (0: all); ``qfrom``/``qto``: only layers ``[qfrom, qto)`` (0: all).
     """
 
     name: str
@@ -66,6 +72,11 @@ class Variant:
     backfill: bool = False
     preamble: str = "bos"
     engine: bool = False
+    select: str = "dev"
+    qagg: str = "sum"
+    qlast: int = 0
+    qfrom: int = 0
+    qto: int = 0
 
 
 #: Content-independent texts a document can be computed after (besides the tokenizer's BOS).
@@ -130,6 +141,44 @@ def _pick(dev: torch.Tensor, forced: torch.Tensor, n_pick: int, groups: list[tor
 
 
 @torch.no_grad()
+def query_importance(model: Any, ids: list[int], buffer: Any, start: int, end: int, agg: str = "sum", last: int = 0,
+                     layers: tuple[int, int] = (0, 0)) -> torch.Tensor:  # fmt: skip
+    """Attention the prompt's tokens after ``end`` (the question) pay to each token of ``[start, end)``, summed over
+    layers, heads and question tokens, with the buffer's KV (the concatenated caches) before ``end``."""
+    from cachegen_core.engine.blend import _heads, _rope  # noqa: PLC0415
+
+    inner = model.model
+    nq = len(ids) - end
+    pos = torch.arange(end, len(ids))
+    h = inner.embed_tokens(torch.tensor([ids[end:]]))[0]
+    cos, sin = (t[0] for t in inner.rotary_emb(h[None], pos[None]))
+    future = torch.arange(nq)[None, :] > torch.arange(nq)[:, None]  # causal among the question's tokens
+    imp = torch.zeros(end - start)
+    for li, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = _rope(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
+        k = torch.cat([buffer.keys[li][:, :end], _rope(_heads(attn.k_proj(x), attn.head_dim), cos, sin)], 1)
+        v = torch.cat([buffer.values[li][:, :end], _heads(attn.v_proj(x), attn.head_dim)], 1)
+        k, v = k.repeat_interleave(attn.num_key_value_groups, 0), v.repeat_interleave(attn.num_key_value_groups, 0)
+        scores = q @ k.transpose(1, 2) * attn.scaling
+        scores[:, :, end:] = scores[:, :, end:].masked_fill(future, -math.inf)
+        p = scores.softmax(-1)
+        seen = p[:, -last:, start:end] if last else p[:, :, start:end]
+        if agg == "vsum":
+            seen = seen * v[:, start:end].norm(dim=-1)[:, None, :]
+        elif agg == "norm":  # each head and question token's attention over the region sums to 1
+            seen = seen / seen.sum(-1, keepdim=True).clamp_min(1e-12)
+        elif agg == "sqrt":
+            seen = seen.sqrt()
+        if li >= layers[0] and (not layers[1] or li < layers[1]):
+            imp += seen.amax((0, 1)) if agg == "max" else seen.sum((0, 1))
+        h = h + attn.o_proj((p @ v).transpose(0, 1).reshape(nq, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return imp
+
+
+@torch.no_grad()
 def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int, cached: torch.Tensor,
                   docs: list[tuple[int, int]], spec: Variant) -> tuple[int, int]:  # fmt: skip
     """``blend.blend`` with the variant's knobs; returns (cached tokens recomputed, layer-token pairs computed)."""
@@ -154,6 +203,7 @@ def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int,
     rows = torch.arange(n)
     masks = _masks(positions, end, 256)
     check = min(spec.check_layer, layers - 2)
+    imp = query_importance(model, ids, buffer, start, end, spec.qagg, spec.qlast, (spec.qfrom, spec.qto)) if spec.select != "dev" else None
     early: list[tuple[torch.Tensor, torch.Tensor]] = []
     pairs = 0
     for li, layer in enumerate(inner.layers):
@@ -173,6 +223,8 @@ def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int,
                 if li == check:
                     want = n_pick if spec.gradual <= 0 else min(n_cached, math.ceil(spec.gradual * n_pick))
                     dev = _deviation(k, v, kbuf[:, start:end], vbuf[:, start:end], spec.metric)
+                    if imp is not None:
+                        dev = imp if spec.select == "query" else (imp / imp.mean()) * (dev / dev.mean())
                     keep = _pick(dev, must, want, groups)
                 else:  # among the rows picked at the check layer, the budget's worth deviating most here
                     dev = _deviation(k, v, kbuf[:, start + rows], vbuf[:, start + rows], spec.metric)
@@ -219,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     from cachegen_core.engine import hf  # noqa: PLC0415
-    from cachegen_core.engine.blend import BlendConfig, blend, blend_support, last_document_first  # noqa: PLC0415
+    from cachegen_core.engine.blend import SELECTIONS, BlendConfig, blend, blend_support, last_document_first, question_attention  # noqa: PLC0415
     from cachegen_core.engine.rope import shift_keys  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
     from cachegen_core.segments import document_spans  # noqa: PLC0415
@@ -236,6 +288,8 @@ def main(argv: list[str] | None = None) -> None:
                 typ = type(getattr(base, key))
                 base = dataclasses.replace(base, **{key: (val not in ("0", "false", "False")) if typ is bool else typ(val)})
             chosen.append(base)
+        if len({v.name for v in chosen}) < len(chosen):
+            ap.error("variant names must be unique (their rows are summarised by name)")
         variants = chosen
     model, tok = load(args.model)
     model.eval()
@@ -272,10 +326,11 @@ def main(argv: list[str] | None = None) -> None:
                 buf.slice(s, e).values.copy_(kv.values)
                 cached[s - start : e - start] = True
             if v.engine:  # what DocumentCaches does with this config
-                cfg = BlendConfig() if v.name == "default" else BlendConfig(recompute_ratio=v.ratio, last_document=False)
-                first = last_document_first(spans, start, cached, cfg.recompute_ratio, cfg.head_tokens) if cfg.last_document else None
+                cfg = BlendConfig(recompute_ratio=v.ratio, select=v.name if v.name in SELECTIONS else "question")
+                scores = question_attention(model, ids, buf, start, end, cached, cfg.question_tokens) if cfg.select == "question" else None
+                first = last_document_first(spans, start, cached, cfg.recompute_ratio, cfg.head_tokens) if cfg.select == "last_document" else None
                 total = blend(model, ids, buf, start, end, cached, cfg.recompute_ratio, check_layer=cfg.check_layer,
-                              query_block=cfg.query_block, first=first)  # fmt: skip
+                              query_block=cfg.query_block, first=first, scores=scores)  # fmt: skip
                 recomputed, pairs = total - int((~cached).sum()), None
             else:
                 recomputed, pairs = blend_variant(model, ids, buf, start, end, cached, spans, v)

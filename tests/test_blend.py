@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cachegen_core.engine import hf
-from cachegen_core.engine.blend import BlendConfig, blend, blend_support, last_document_first
+from cachegen_core.engine.blend import BlendConfig, blend, blend_support, last_document_first, question_attention
 from cachegen_core.engine.rope import Rope, rope_of, shift_keys
 from cachegen_core.kv import KVCache
 from cachegen_core.testing import make_tiny_llama
@@ -138,6 +138,46 @@ def test_the_first_tokens_are_recomputed_within_the_budget_and_nothing_else_move
     assert torch.equal(buf.keys[:, :, DOCS[0][0] : DOCS[0][1]], before.keys[:, :, DOCS[0][0] : DOCS[0][1]])
 
 
+def test_question_attention_is_the_models_own_attention_of_the_last_tokens():
+    """Over the exact KV of a full prefill, it sums what the model's eager attention gives the region's tokens."""
+    model = make_tiny_llama(seed=2)
+    model.set_attn_implementation("eager")
+    ids, end = _ids(5), DOCS[-1][1]
+    full = hf.prefill(model, ids[:end])
+    buf = KVCache(torch.zeros(3, 2, LENGTH, 16), torch.zeros(3, 2, LENGTH, 16))
+    buf.slice(0, end).keys.copy_(full.keys)
+    buf.slice(0, end).values.copy_(full.values)
+    cached = torch.ones(end - PREFIX, dtype=torch.bool)
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_attentions=True)
+    want = sum(a[0, :, end:, PREFIX:end].sum((0, 1)) for a in out.attentions)  # the 40 tokens after end
+    got = question_attention(model, ids, buf, PREFIX, end, cached, last=LENGTH - end)
+    assert torch.allclose(got, want, atol=1e-4) and got.sum() > 0
+    fewer = question_attention(model, ids, buf, PREFIX, end, cached, last=16)  # the question's first tokens left out
+    assert not torch.allclose(fewer, want, atol=1e-2)
+
+
+def test_question_attention_sees_no_uncomputed_token_and_needs_a_question(tiny_llama):
+    ids, end = _ids(6), DOCS[-1][1]
+    buf, cached = _assembled(tiny_llama, ids, hf.prefill(tiny_llama, ids), blend_support(tiny_llama))
+    buf.keys[:, :, DOCS[0][1] : DOCS[1][0]] = float("nan")  # the text between the documents: not computed yet
+    scores = question_attention(tiny_llama, ids, buf, PREFIX, end, cached)
+    assert torch.isfinite(scores).all() and not scores[~cached].any() and (scores[cached] > 0).all()
+    assert not question_attention(tiny_llama, ids[:end], buf, PREFIX, end, cached).any()  # nothing after the documents
+
+
+def test_the_blend_recomputes_the_tokens_scoring_highest(tiny_llama):
+    ids, end = _ids(7), DOCS[-1][1]
+    buf, cached = _assembled(tiny_llama, ids, hf.prefill(tiny_llama, ids), blend_support(tiny_llama))
+    before = KVCache(buf.keys.clone(), buf.values.clone())
+    scores = torch.zeros(end - PREFIX)
+    top = torch.tensor([3, 50, 150, 200])  # in both documents
+    scores[top] = 1.0
+    assert blend(tiny_llama, ids, buf, PREFIX, end, cached, 4 / int(cached.sum()), scores=scores) == 5 + 4
+    moved = (buf.keys[1:, :, :end] != before.keys[1:, :, :end]).any(-1).any(1).any(0)
+    assert moved.nonzero().flatten().tolist() == sorted([*(top + PREFIX).tolist(), *range(DOCS[0][1], DOCS[1][0])])
+
+
 def test_blend_config_is_checked():
     with pytest.raises(ValueError, match="check_layer"):
         BlendConfig(check_layer=0)
@@ -145,3 +185,5 @@ def test_blend_config_is_checked():
         BlendConfig(recompute_ratio=1.5)
     with pytest.raises(ValueError, match="head_tokens"):
         BlendConfig(head_tokens=-1)
+    with pytest.raises(ValueError, match="select"):
+        BlendConfig(select="random")

@@ -77,8 +77,8 @@ def test_ratio_zero_is_concatenation_and_differs_from_full_prefill_kv(tiny_llama
 
 def test_the_blend_recomputes_the_last_document_first(tiny_llama, tiny_tokenizer):
     kvs = {}
-    for name, config in (("concat", BlendConfig(recompute_ratio=0.0)), ("last", BlendConfig(recompute_ratio=0.5)),
-                         ("deviation", BlendConfig(recompute_ratio=0.5, last_document=False))):  # fmt: skip
+    for name, config in (("concat", BlendConfig(recompute_ratio=0.0)), ("last", BlendConfig(recompute_ratio=0.5, select="last_document")),
+                         ("deviation", BlendConfig(recompute_ratio=0.5, select="deviation"))):  # fmt: skip
         engine = _engine(tiny_llama, tiny_tokenizer, blend=config)
         engine.store_documents(DOCS[:2])
         prompt = _prompt(engine, "which one", [DOCS[1], DOCS[0]])

@@ -7,8 +7,10 @@ repairs the tokens where that matters most: it runs layer 0 for every token of t
 compares the layer-``check_layer`` keys and values it gets with the cached ones, keeps the
 tokens that deviate most (``ratio`` of the cached tokens), and recomputes those through the
 remaining layers with attention over the whole blended KV, overwriting their KV in place.
-Cached tokens given as ``first`` (:func:`last_document_first`: the document right before the
-question) are recomputed before any picked by deviation, within the same budget.
+With ``scores`` (:func:`question_attention`: how much the question after the documents attends
+to each token over the concatenated caches) the tokens scoring highest are kept instead of the
+deviating ones. Cached tokens given as ``first`` (:func:`last_document_first`: the document right
+before the question) are recomputed before any picked, within the same budget.
 Tokens with no cached KV (text between documents, documents not in the store) are always
 recomputed, through every layer. Every other token keeps its cached KV at every layer, so
 ``ratio=0`` with nothing to force leaves the KV as it is (plain concatenation) and
@@ -34,6 +36,8 @@ from .rope import Rope, rope_of
 #: Architectures whose decoder layers are Llama's (pre-norm, q/k/v/o projections, RoPE by rotate_half, MLP).
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
 _HAS_GQA = "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
+#: What a blend's budget goes to (``BlendConfig.select``).
+SELECTIONS = ("question", "last_document", "deviation")
 
 
 @dataclass(frozen=True)
@@ -45,25 +49,29 @@ class BlendConfig:
     on the context); ``min_document_tokens``: shorter documents are plain text;
     ``query_block``: queries per attention block (bounds memory).
 
-    ``last_document``: the budget goes first to the region's last document, the one before the question (all of
-    it when it fits; else its first ``head_tokens`` and as many of its last tokens as the budget
-    leaves), then to the tokens whose KV deviates most. Measured on SmolLM2-135M
-    (``benchmarks.blend_ablation``, rag_reuse's prompts, 4 prompts of 6 x 1024 tokens, 15 %):
-    picking by deviation alone gives perplexity +14.6 % and top-1 92.6 % against full prefill
-    (+12.7 % at 30 %, +10.2 % at 50 %); the last document first +1.8 % and 93.5 %. The
-    continuation reads the text before the question most: that is where the context each cached
-    document lacked matters, while the deviation at the check layer (any layer, keys or values,
-    per document, gradually filtered) did not find it. Its head matters together with its tail
-    (head 128 + tail 512 + deviation: +3.9 %; tail 512 + deviation: +5.0 %; head alone: +14.3 %).
+    ``select``: which cached tokens the budget goes to.
+    ``"question"`` (default): those the question attends to most (:func:`question_attention`: the
+    last ``question_tokens`` tokens after the documents, every layer, over the concatenated caches);
+    a prompt that ends with a document falls back to ``"last_document"``.
+    ``"last_document"``: the region's last document first (all of it when it fits; else its first
+    ``head_tokens`` and as many of its last tokens as the budget leaves), then the deviation.
+    ``"deviation"``: the tokens whose KV deviates most at ``check_layer`` (CacheBlend as published).
+    Measured on SmolLM2-135M (``benchmarks.blend_ablation``, rag_reuse's prompts, 4 prompts of
+    6 x 1024 tokens, 15 %), perplexity and top-1 agreement against full prefill: deviation +14.6 %
+    and 92.6 % (any check layer, keys or values, per document, gradually filtered: within a point);
+    last document +1.8 % and 93.5 %; question +1.7 % and 95.5 % (95.1 % at 10 %, 96.3 % at 30 %;
+    ``benchmarks.rag_reuse``: +0.6 % and 96.4 %): what the answer reads is where the context each
+    cached document lacked matters.
     Top-1 agreement stays short of 97 % at any share measured up to 50 % (``docs/results.md``,
-    "Closing the blend's quality gap"). ``False``: CacheBlend as published (deviation only).
+    "Closing the blend's quality gap").
     """
 
     recompute_ratio: float = 0.15
     check_layer: int = 1
     min_document_tokens: int = 16
     query_block: int = 256
-    last_document: bool = True
+    select: str = "question"
+    question_tokens: int = 64
     head_tokens: int = 128
 
     def __post_init__(self) -> None:
@@ -73,8 +81,10 @@ class BlendConfig:
             raise ValueError("check_layer must be >= 1 (layer 0's KV does not depend on the context)")
         if self.min_document_tokens < 1 or self.query_block < 1:
             raise ValueError("min_document_tokens and query_block must be >= 1")
-        if self.head_tokens < 0:
-            raise ValueError(f"head_tokens must be >= 0, got {self.head_tokens}")
+        if self.head_tokens < 0 or self.question_tokens < 1:
+            raise ValueError(f"head_tokens must be >= 0 and question_tokens >= 1, got {self.head_tokens}, {self.question_tokens}")
+        if self.select not in SELECTIONS:
+            raise ValueError(f"select must be one of {SELECTIONS}, got {self.select!r}")
 
 
 def budget(cached: torch.Tensor, ratio: float) -> int:
@@ -99,6 +109,43 @@ def last_document_first(spans: Sequence[tuple[int, int]], start: int, cached: to
         at = torch.cat([at[:head], at[len(at) - (n - head) :]])
     first[at] = True
     return first
+
+
+@torch.no_grad()
+def question_attention(model: Any, ids: Sequence[int], buffer: KVCache, start: int, end: int, cached: torch.Tensor,
+                       last: int = 64) -> torch.Tensor:  # fmt: skip
+    """How much the prompt's last ``last`` tokens after ``end`` (the question) attend to each token of ``[start, end)``:
+    their attention summed over every layer, head and question token (float, ``end - start``; zeros when no token
+    follows ``end``). Computed over ``buffer``'s KV before ``end`` (exact before ``start``, the caches where
+    ``cached``; the region's other tokens, not computed yet, and any question token before the last ``last`` are
+    left out), the question's own KV computed on the way and not written."""
+    inner, device = model.model, buffer.keys.device
+    scores = torch.zeros(end - start, dtype=torch.float32, device=device)
+    at = max(end, len(ids) - last)
+    if at >= len(ids):
+        return scores
+    nq = len(ids) - at
+    pos = torch.arange(at, len(ids), device=device)
+    h = inner.embed_tokens(torch.tensor([list(ids[at:])], device=device))[0]
+    cos, sin = (t[0] for t in inner.rotary_emb(h[None], pos[None]))
+    hidden = torch.zeros(nq, end + nq, dtype=torch.bool)  # keys a question token does not see
+    hidden[:, start:end] = ~cached.cpu().bool()
+    hidden[:, end:] = torch.ones(nq, nq, dtype=torch.bool).triu(1)
+    hidden = hidden.to(device)
+    for li, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = _rope(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
+        k = torch.cat([buffer.keys[li][:, :end], _rope(_heads(attn.k_proj(x), attn.head_dim), cos, sin).to(buffer.keys.dtype)], 1)
+        v = torch.cat([buffer.values[li][:, :end], _heads(attn.v_proj(x), attn.head_dim).to(buffer.values.dtype)], 1)
+        q = q.reshape(k.shape[0], -1, attn.head_dim).to(k.dtype)  # a KV head's query heads side by side: no key copied
+        logits = (q @ k.transpose(1, 2)).float() * attn.scaling
+        p = logits.masked_fill(hidden.repeat(attn.num_key_value_groups, 1), -math.inf).softmax(-1)  # (kv heads, groups * nq, keys)
+        scores += p[:, :, start:end].sum((0, 1))
+        o = (p.to(v.dtype) @ v).reshape(-1, nq, attn.head_dim).transpose(0, 1).reshape(nq, -1)
+        h = h + attn.o_proj(o.to(h.dtype))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return scores
 
 
 def blend_support(model: Any) -> Rope | str:
@@ -127,14 +174,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _select(k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, forced: torch.Tensor, n_pick: int) -> torch.Tensor:
-    """The forced tokens and the ``n_pick`` others whose fresh K and V (kv_heads, n, dim) deviate most from the
-    cached ones, each deviation relative to the cached tensors' mean squared norm per token; sorted indices."""
-    dev = torch.zeros(k.shape[1], dtype=torch.float32, device=k.device)
-    for new, old in ((k, old_k), (v, old_v)):
-        old = old.float()
-        dev += (new.float() - old).pow(2).sum((0, 2)) / old.pow(2).sum((0, 2)).mean().clamp_min(1e-12)
-    dev[forced] = -1.0
+def _select(k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, forced: torch.Tensor, n_pick: int,
+            scores: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The forced tokens and the ``n_pick`` others scoring highest (``scores``, else how much their fresh K and V
+    (kv_heads, n, dim) deviate from the cached ones, each deviation relative to the cached tensors' mean squared
+    norm per token); sorted indices."""
+    if scores is not None:
+        dev = scores.to(device=k.device, dtype=torch.float32).clone()
+    else:
+        dev = torch.zeros(k.shape[1], dtype=torch.float32, device=k.device)
+        for new, old in ((k, old_k), (v, old_v)):
+            old = old.float()
+            dev += (new.float() - old).pow(2).sum((0, 2)) / old.pow(2).sum((0, 2)).mean().clamp_min(1e-12)
+    dev[forced] = -math.inf
     top = torch.topk(dev, n_pick).indices if n_pick else forced[:0]
     return torch.cat([forced, top]).sort().values
 
@@ -189,14 +241,16 @@ def blend(
     check_layer: int = 1,
     query_block: int = 256,
     first: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
 ) -> int:
     """Recompute, in ``buffer``, the KV of selected tokens of ``ids[start:end]``; returns how many.
 
     ``buffer`` holds the exact KV of ``[0, start)`` and, for the region's tokens where ``cached``
     (bool, ``end - start``) is set, their cached KV at their positions; the others are computed.
     Of the cached tokens, ``ceil(ratio * cached)`` with the largest layer-``check_layer`` KV
-    deviation are recomputed from that layer on (see module doc); the cached tokens set in ``first``
-    (bool, ``end - start``) are among them whatever their deviation (and recomputed at layer 0 too).
+    deviation (or the highest ``scores``, float, ``end - start``) are recomputed from that layer on (see module
+    doc); the cached tokens set in ``first`` (bool, ``end - start``) are among them whatever their deviation (and
+    recomputed at layer 0 too).
     """
     n = end - start
     cached = cached.to(device="cpu", dtype=torch.bool)
@@ -227,7 +281,7 @@ def blend(
             vbuf[:, start + forced] = v[:, forced].to(vbuf.dtype)
         else:
             if li == check_layer:  # keep the cached tokens whose KV deviates most, and the forced ones
-                rows = _select(k, v, kbuf[:, start:end], vbuf[:, start:end], forced, n_pick)
+                rows = _select(k, v, kbuf[:, start:end], vbuf[:, start:end], forced, n_pick, scores)
                 h, x, k, v, cos, sin = h[rows], x[rows], k[:, rows], v[:, rows], cos[rows], sin[rows]
                 masks = _masks(positions[rows], end, query_block)
             kbuf[:, start + rows] = k.to(kbuf.dtype)

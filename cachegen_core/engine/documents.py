@@ -6,9 +6,9 @@ request for every piece of every document of a batch), streamed into the prompt'
 piece shared by prompts of a batch once), their keys moved to where they landed
 (``rope.shift_keys``), and the prompt between the prefix and the first cached document is
 prefilled exactly. Then :func:`~.blend.blend` recomputes the selected share of the cached
-tokens (the last document's first: :func:`~.blend.last_document_first`) and every token with no
-cached KV (text between documents, documents not stored), so that documents attend to each
-other again. The question after the last document is left to generation. A document not in the store is computed on its own after the answer (``store``)
+tokens (those the question attends to most: :func:`~.blend.question_attention`) and every token
+with no cached KV (text between documents, documents not stored), so that documents attend to
+each other again. The question after the last document is left to generation. A document not in the store is computed on its own after the answer (``store``)
 and queued for the writer, so the next prompt holding it, in any position, finds it.
 
 Models :func:`~.blend.blend_support` refuses (another architecture, a rope type whose
@@ -33,7 +33,7 @@ from ..manifest import Manifest, manifest_key
 from ..segments import document_pieces
 from ..streaming import TEXT, Controller, Option, StreamFailure
 from . import hf
-from .blend import BlendConfig, blend, blend_support, last_document_first
+from .blend import BlendConfig, blend, blend_support, last_document_first, question_attention
 from .info import GenerationInfo
 from .reader import report
 from .rope import Rope, shift_keys
@@ -143,12 +143,15 @@ class DocumentCaches:
         cached = torch.zeros(end - start, dtype=torch.bool)
         for x in mine:
             cached[x.chunk.start - start : x.chunk.end - start] = True
-        cfg = self.config
-        first = last_document_first(docs, start, cached, cfg.recompute_ratio, cfg.head_tokens) if cfg.last_document else None
+        cfg, first, scores = self.config, None, None
         t = time.perf_counter()
         with self.engine._lock:
+            if cfg.select == "question" and end < len(ids):
+                scores = question_attention(self.engine.model, ids, buffer, start, end, cached, cfg.question_tokens)
+            elif cfg.select != "deviation":
+                first = last_document_first(docs, start, cached, cfg.recompute_ratio, cfg.head_tokens)
             n = blend(self.engine.model, ids, buffer, start, end, cached, cfg.recompute_ratio,
-                      check_layer=cfg.check_layer, query_block=cfg.query_block, first=first)  # fmt: skip
+                      check_layer=cfg.check_layer, query_block=cfg.query_block, first=first, scores=scores)  # fmt: skip
         info.blend_s = time.perf_counter() - t
         info.documents_reused = sum(any(s <= x.chunk.start < e for x in mine) for s, e in docs)
         info.blend_recomputed = n
