@@ -56,7 +56,9 @@ class Variant:
     ``query*dev`` (their product, each over its mean); ``qagg``: how ``query`` pools heads and question
     tokens per layer (``sum`` of the attention, ``max``, ``vsum``: the attention times the value's norm, ``norm``:
     each head and token's attention over the region scaled to sum to 1, ``sqrt``: the sum of its square roots);
-    ``qlast``: only the question's last tokens (0: all); ``qfrom``/``qto``: only layers ``[qfrom, qto)`` (0: all).
+    ``qlast``: only the question's last tokens (0: all); ``qfrom``/``qto``: only layers ``[qfrom, qto)`` (0: all);
+    ``rounds`` (with ``engine``): split the budget over that many blends, the question's attention scored again
+    over the KV each one left.
     """
 
     name: str
@@ -77,6 +79,7 @@ class Variant:
     qlast: int = 0
     qfrom: int = 0
     qto: int = 0
+    rounds: int = 1
 
 
 #: Content-independent texts a document can be computed after (besides the tokenizer's BOS).
@@ -329,8 +332,16 @@ def main(argv: list[str] | None = None) -> None:
                 cfg = BlendConfig(recompute_ratio=v.ratio, select=v.name if v.name in SELECTIONS else "question")
                 scores = question_attention(model, ids, buf, start, end, cached, cfg.question_tokens) if cfg.select == "question" else None
                 first = last_document_first(spans, start, cached, cfg.recompute_ratio, cfg.head_tokens) if cfg.select == "last_document" else None
-                total = blend(model, ids, buf, start, end, cached, cfg.recompute_ratio, check_layer=cfg.check_layer,
+                ratio = cfg.recompute_ratio / v.rounds
+                total = blend(model, ids, buf, start, end, cached, ratio, check_layer=cfg.check_layer,
                               query_block=cfg.query_block, first=first, scores=scores)  # fmt: skip
+                done = torch.zeros_like(cached)
+                for _ in range(v.rounds - 1):  # the picked so far: scored -inf (blend keeps the top of the rest)
+                    done |= scores >= scores.topk(math.ceil(ratio * int(cached.sum()))).values[-1]
+                    scores = question_attention(model, ids, buf, start, end, torch.ones_like(cached), cfg.question_tokens)
+                    scores[done] = -math.inf
+                    total += blend(model, ids, buf, start, end, torch.ones_like(cached), ratio * int(cached.sum()) / len(cached),
+                                   check_layer=cfg.check_layer, query_block=cfg.query_block, scores=scores)  # fmt: skip
                 recomputed, pairs = total - int((~cached).sum()), None
             else:
                 recomputed, pairs = blend_variant(model, ids, buf, start, end, cached, spans, v)
