@@ -68,7 +68,13 @@ def test_recompute_ratio_one_answers_as_full_prefill(tiny_llama, tiny_tokenizer)
     assert engine.tokenizer(text, add_special_tokens=False)["input_ids"] == _greedy(tiny_llama, prompt.ids)
 
 
-def test_ratio_zero_is_concatenation_and_differs_from_full_prefill_kv(tiny_llama, tiny_tokenizer):
+def test_ratio_zero_is_concatenation_and_differs_from_full_prefill_kv(tiny_llama, tiny_tokenizer, monkeypatch):
+    from cachegen_core.engine import documents
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("nothing to pick: the question's pass is not run")
+
+    monkeypatch.setattr(documents, "question_attention", no_pass)
     engine = _engine(tiny_llama, tiny_tokenizer, blend=BlendConfig(recompute_ratio=0.0))
     engine.store_documents(DOCS[:2])
     _, info = engine.generate(_prompt(engine, "which one", [DOCS[1], DOCS[0]]), max_new_tokens=2)

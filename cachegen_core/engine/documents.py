@@ -33,7 +33,7 @@ from ..manifest import Manifest, manifest_key
 from ..segments import document_pieces
 from ..streaming import TEXT, Controller, Option, StreamFailure
 from . import hf
-from .blend import BlendConfig, blend, blend_support, last_document_first, question_attention
+from .blend import BlendConfig, blend, blend_support, budget, last_document_first, question_attention
 from .info import GenerationInfo
 from .reader import report
 from .rope import Rope, shift_keys
@@ -146,7 +146,7 @@ class DocumentCaches:
         cfg, first, scores = self.config, None, None
         t = time.perf_counter()
         with self.engine._lock:
-            if cfg.select == "question" and end < len(ids):
+            if cfg.select == "question" and end < len(ids) and budget(cached, cfg.recompute_ratio):
                 scores = question_attention(self.engine.model, ids, buffer, start, end, cached, cfg.question_tokens)
             elif cfg.select != "deviation":
                 first = last_document_first(docs, start, cached, cfg.recompute_ratio, cfg.head_tokens)
