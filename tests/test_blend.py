@@ -139,7 +139,7 @@ def test_the_first_tokens_are_recomputed_within_the_budget_and_nothing_else_move
 
 
 def test_question_attention_is_the_models_own_attention_of_the_last_tokens():
-    """Over the exact KV of a full prefill, it sums what the model's eager attention gives the region's tokens."""
+    """Over the exact KV of a full prefill, it sums the roots of what the model's eager attention gives the region."""
     model = make_tiny_llama(seed=2)
     model.set_attn_implementation("eager")
     ids, end = _ids(5), DOCS[-1][1]
@@ -150,7 +150,7 @@ def test_question_attention_is_the_models_own_attention_of_the_last_tokens():
     cached = torch.ones(end - PREFIX, dtype=torch.bool)
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_attentions=True)
-    want = sum(a[0, :, end:, PREFIX:end].sum((0, 1)) for a in out.attentions)  # the 40 tokens after end
+    want = sum(a[0, :, end:, PREFIX:end].sqrt().sum((0, 1)) for a in out.attentions)  # the 40 tokens after end
     got = question_attention(model, ids, buf, PREFIX, end, cached, last=LENGTH - end)
     assert torch.allclose(got, want, atol=1e-4) and got.sum() > 0
     fewer = question_attention(model, ids, buf, PREFIX, end, cached, last=16)  # the question's first tokens left out
