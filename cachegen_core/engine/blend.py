@@ -117,9 +117,10 @@ def question_attention(model: Any, ids: Sequence[int], buffer: KVCache, start: i
     """How much the prompt's last ``last`` tokens after ``end`` (the question) attend to each token of ``[start, end)``:
     the square root of their attention summed over every layer, head and question token (float, ``end - start``;
     zeros when no token follows ``end``). The root spreads the pick past the few tokens a head attends to most:
-    perplexity +0.8 / +1.7 % against +1.9 / +2.7 % for the plain sum (``benchmarks.blend_ablation``, 4 / 6 prompts). Computed over ``buffer``'s KV before ``end`` (exact before ``start``, the caches where
-    ``cached``; the region's other tokens, not computed yet, and any question token before the last ``last`` are
-    left out), the question's own KV computed on the way and not written."""
+    perplexity +0.8 / +1.7 % against +1.9 / +2.7 % for the plain sum (``benchmarks.blend_ablation``, 4 / 6 prompts).
+    Computed over ``buffer``'s KV before ``end`` (exact before ``start``, the caches where ``cached``; the region's
+    other tokens, not computed yet, and any question token before the last ``last`` are left out), the question's
+    own KV computed on the way and not written."""
     inner, device = model.model, buffer.keys.device
     scores = torch.zeros(end - start, dtype=torch.float32, device=device)
     at = max(end, len(ids) - last)
@@ -281,7 +282,7 @@ def blend(
             kbuf[:, start + forced] = k[:, forced].to(kbuf.dtype)
             vbuf[:, start + forced] = v[:, forced].to(vbuf.dtype)
         else:
-            if li == check_layer:  # keep the cached tokens whose KV deviates most, and the forced ones
+            if li == check_layer:  # keep the forced tokens and the cached ones scoring highest (else deviating most)
                 rows = _select(k, v, kbuf[:, start:end], vbuf[:, start:end], forced, n_pick, scores)
                 h, x, k, v, cos, sin = h[rows], x[rows], k[:, rows], v[:, rows], cos[rows], sin[rows]
                 masks = _masks(positions[rows], end, query_block)
