@@ -178,6 +178,16 @@ def test_the_blend_recomputes_the_tokens_scoring_highest(tiny_llama):
     assert moved.nonzero().flatten().tolist() == sorted([*(top + PREFIX).tolist(), *range(DOCS[0][1], DOCS[1][0])])
 
 
+def test_picking_by_scores_before_layer_0_still_reproduces_full_prefill(tiny_llama):
+    """Scores pick before any layer runs (no pass over the others): every token picked is full prefill exactly."""
+    ids, end = _ids(8), DOCS[-1][1]
+    full = hf.prefill(tiny_llama, ids)
+    buf, cached = _assembled(tiny_llama, ids, full, blend_support(tiny_llama))
+    assert blend(tiny_llama, ids, buf, PREFIX, end, cached, 1.0, scores=torch.rand(end - PREFIX)) == end - PREFIX
+    assert torch.allclose(buf.keys[:, :, :end], full.keys[:, :, :end], atol=1e-4)
+    assert torch.allclose(buf.values[:, :, :end], full.values[:, :, :end], atol=1e-4)
+
+
 def test_blend_config_is_checked():
     with pytest.raises(ValueError, match="check_layer"):
         BlendConfig(check_layer=0)

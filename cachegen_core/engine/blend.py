@@ -9,7 +9,7 @@ tokens that deviate most (``ratio`` of the cached tokens), and recomputes those 
 remaining layers with attention over the whole blended KV, overwriting their KV in place.
 With ``scores`` (:func:`question_attention`: how much the question after the documents attends
 to each token over the concatenated caches) the tokens scoring highest are kept instead of the
-deviating ones. Cached tokens given as ``first`` (:func:`last_document_first`: the document right
+deviating ones, picked before layer 0 (no pass over the others: it only serves the deviation). Cached tokens given as ``first`` (:func:`last_document_first`: the document right
 before the question) are recomputed before any picked, within the same budget.
 Tokens with no cached KV (text between documents, documents not in the store) are always
 recomputed, through every layer. Every other token keeps its cached KV at every layer, so
@@ -250,9 +250,9 @@ def blend(
     ``buffer`` holds the exact KV of ``[0, start)`` and, for the region's tokens where ``cached``
     (bool, ``end - start``) is set, their cached KV at their positions; the others are computed.
     Of the cached tokens, ``ceil(ratio * cached)`` with the largest layer-``check_layer`` KV
-    deviation (or the highest ``scores``, float, ``end - start``) are recomputed from that layer on (see module
-    doc); the cached tokens set in ``first`` (bool, ``end - start``) are among them whatever their deviation (and
-    recomputed at layer 0 too).
+    deviation (or the highest ``scores``, float, ``end - start``: then picked before layer 0, the other tokens not
+    run at all) are recomputed from that layer on (see module doc); the cached tokens set in ``first`` (bool,
+    ``end - start``) are among them whatever their deviation (and recomputed at layer 0 too).
     """
     n = end - start
     cached = cached.to(device="cpu", dtype=torch.bool)
@@ -271,7 +271,8 @@ def blend(
     rows = torch.arange(n, device=device)  # the region tokens whose hidden state h holds: the queries
     forced = forced.to(device)
     masks = _masks(positions, end, query_block)
-    check_layer = min(check_layer, len(inner.layers) - 1)
+    # scores pick before layer 0: no other token needs a pass (layer 0's KV is context-free); the deviation needs one
+    check_layer = 0 if scores is not None else min(check_layer, len(inner.layers) - 1)
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
