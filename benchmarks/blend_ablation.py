@@ -15,8 +15,13 @@ check layer on (forced or picked) against ``ceil(ratio * cached)``; ``layer_shar
 (region token, layer) pairs computed, the layer-0 pass and layers before the check included.
 The variant ``default`` runs ``blend.blend`` with ``BlendConfig()`` as ``DocumentCaches`` does
 (``S:engine=1,ratio=R``: the same at ratio R with ``BlendConfig(select=S)`` when S is one of ``blend.SELECTIONS``).
+Two selections that read the answer (upper bounds no engine can run, ``select=oracle-read|oracle-dev,engine=1``)
+say how far any pick of the same share can go: ``oracle-read`` scores each cached token as
+``blend.question_attention`` does but with the question and the 128 continuation tokens as readers,
+``oracle-dev`` by how far its cached KV is from full prefill's, summed over every layer.
 
-One JSON line per (variant, prompt) (``"row": "prompt"``) and one summary per variant
+One JSON line per (variant, prompt) (``"row": "prompt"``; ``flip_margins``: at each token whose argmax differs
+from full prefill's, by how much full prefill's argmax led its runner-up, in nats) and one summary per variant
 (``"row": "summary"``: ``ppl_rel_delta`` over all prompts' tokens as rag_reuse computes it,
 ``top1_agreement`` mean over prompts, ``worst_top1``, ``recompute_share``, ``layer_share``).
 """
@@ -58,7 +63,7 @@ class Variant:
     each head and token's attention over the region scaled to sum to 1, ``sqrt``: the sum of its square roots);
     ``qlast``: only the question's last tokens (0: all); ``qfrom``/``qto``: only layers ``[qfrom, qto)`` (0: all);
     ``rounds`` (with ``engine``): split the budget over that many blends, the question's attention scored again
-    over the KV each one left.
+    over the KV each one left. ``oracle-read`` / ``oracle-dev`` (with ``engine``): see module doc.
     """
 
     name: str
@@ -251,6 +256,27 @@ def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int,
     return int(cached[rows].sum()), pairs
 
 
+@torch.no_grad()
+def oracle_scores(model: Any, ids: list[int], cont: list[int], buffer: Any, start: int, end: int, cached: torch.Tensor,
+                  how: str) -> torch.Tensor:  # fmt: skip
+    """Scores that know the answer (see module doc): the attention the question and the continuation ``cont`` pay
+    to each cached token (``oracle-read``), or its KV's distance from full prefill's over every layer (``oracle-dev``)."""
+    from cachegen_core.engine import hf  # noqa: PLC0415
+    from cachegen_core.engine.blend import question_attention  # noqa: PLC0415
+
+    if how == "oracle-read":
+        return question_attention(model, [*ids, *cont], buffer, start, end, cached, len(ids) - end + len(cont))
+    if how != "oracle-dev":
+        raise ValueError(f"unknown oracle {how!r}")
+    full = hf.prefill(model, ids[:end])
+    dev = torch.zeros(end - start)
+    for li in range(full.keys.shape[0]):
+        for new, old in ((full.keys[li], buffer.keys[li]), (full.values[li], buffer.values[li])):
+            new, old = new[:, start:end].float(), old[:, start:end].float()
+            dev += (new - old).pow(2).sum((0, 2)) / new.pow(2).sum((0, 2)).mean().clamp_min(1e-12)
+    return dev
+
+
 def doc_kv(model: Any, pre: tuple[int, ...], doc: list[int]) -> Any:
     """A document's KV computed after ``pre``, rounded through the 16-bit ``raw`` stored form."""
     from cachegen_core.engine import hf  # noqa: PLC0415
@@ -306,8 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     for p in picks:
         prompt = build(tok, [pool[i][0] for i in p])
         ids = list(prompt.ids)
-        nll, top = score(model, hf.prefill(model, ids[:-1]), ids[-1], pool[p[-1]][1])
-        refs.append((nll, top))
+        refs.append(score(model, hf.prefill(model, ids[:-1]), ids[-1], pool[p[-1]][1]))
+        nll = refs[-1][0]
         print(f"# reference: {len(ids)} tokens, nll/token {nll / args.continuation:.4f}", file=sys.stderr)
     tally: dict[str, list[dict[str, Any]]] = {}
     for v in variants:
@@ -331,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
             if v.engine:  # what DocumentCaches does with this config
                 cfg = BlendConfig(recompute_ratio=v.ratio, select=v.name if v.name in SELECTIONS else "question")
                 scores = question_attention(model, ids, buf, start, end, cached, cfg.question_tokens) if cfg.select == "question" else None
+                if v.select.startswith("oracle"):
+                    scores = oracle_scores(model, ids, pool[p[-1]][1], buf, start, end, cached, v.select)
                 first = last_document_first(spans, start, cached, cfg.recompute_ratio, cfg.head_tokens) if cfg.select == "last_document" else None
                 ratio = cfg.recompute_ratio / v.rounds
                 total = blend(model, ids, buf, start, end, cached, ratio, check_layer=cfg.check_layer,
@@ -346,9 +374,11 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 recomputed, pairs = blend_variant(model, ids, buf, start, end, cached, spans, v)
             hf.prefill_into(model, ids[end:-1], buf, end)
-            nll, top = score(model, buf.slice(0, len(ids) - 1), ids[-1], pool[p[-1]][1])
+            nll, top, _ = score(model, buf.slice(0, len(ids) - 1), ids[-1], pool[p[-1]][1])
+            flips = top != refs[n][1]
             row = {"row": "prompt", "variant": v.name, "prompt": n, "nll": round(nll, 4),
-                   "ref_nll": round(refs[n][0], 4), "top1": round(float((top == refs[n][1]).float().mean()), 4),
+                   "ref_nll": round(refs[n][0], 4), "top1": round(float((~flips).float().mean()), 4),
+                   "flip_margins": sorted(round(float(m), 3) for m in refs[n][2][flips]),
                    "recompute_share": round(recomputed / int(cached.sum()), 4),
                    "layer_share": None if pairs is None else round(pairs / ((end - start) * len(model.model.layers)), 4)}  # fmt: skip
             tally.setdefault(v.name, []).append(row)

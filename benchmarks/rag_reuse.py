@@ -74,12 +74,14 @@ def build(tok: Any, docs: list[list[int]]) -> Any:
 
 
 @torch.no_grad()
-def score(model: Any, kv: Any, last: int, continuation: list[int]) -> tuple[float, torch.Tensor]:
-    """NLL (sum) of ``continuation`` after the prompt (its KV without the last token, then ``last``), argmaxes."""
+def score(model: Any, kv: Any, last: int, continuation: list[int]) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """NLL (sum) of ``continuation`` after the prompt (its KV without the last token, then ``last``), the argmaxes,
+    and by how much (log-probability) each argmax leads the runner-up."""
     past = kv.to_dynamic_cache(model.config)
     logits = model(torch.tensor([[last, *continuation[:-1]]]), past_key_values=past).logits[0].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(continuation), reduction="sum").item()
-    return nll, logits.argmax(-1)
+    two = logits.topk(2, -1)
+    return nll, two.indices[:, 0], two.values[:, 0] - two.values[:, 1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
                 given = prompt if key[1] is not None else prompt.ids
                 _, info = eng.generate(given, max_new_tokens=1)
                 kv, _ = eng.prompt_kv(given)
-            nll, top = score(model, kv.slice(0, len(prompt) - 1), prompt[-1], cont)
+            nll, top, _ = score(model, kv.slice(0, len(prompt) - 1), prompt[-1], cont)
             if ref_top is None:
                 ref_nll, ref_top = nll, top
             t = tally[key]
