@@ -31,6 +31,7 @@ import torch
 
 from benchmarks import baselines
 from benchmarks.common import DEFAULT_MODEL, add_data_option, context_kv, emit, load, read_jsonl, setup_threads
+from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache
 
 QUESTION = (
@@ -61,7 +62,7 @@ def score(model: Any, kv: KVCache, continuation: list[int]) -> tuple[float, int,
     """Teacher-forced NLL (sum) of ``continuation[1:]`` on top of ``kv``, the count, and the argmax predictions."""
     dtype = next(model.parameters()).dtype
     past = kv.to(device=model.device, dtype=dtype).to_dynamic_cache(model.config)
-    logits = model(torch.tensor([continuation], device=model.device), past_key_values=past).logits[0, :-1].float()
+    logits = model(torch.tensor([continuation], device=model.device), **cache_arg(model, past)).logits[0, :-1].float()
     target = torch.tensor(continuation[1:], device=model.device)
     nll = torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
     return nll, len(continuation) - 1, logits.argmax(-1).cpu()
@@ -77,7 +78,7 @@ def answer(model: Any, tokenizer: Any, kv: KVCache, context: list[int], max_new_
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        past_key_values=past,
+        **cache_arg(model, past),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=tokenizer.eos_token_id,

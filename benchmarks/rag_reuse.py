@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl, setup_threads
+from cachegen_core.hfcompat import cache_arg
 
 INSTRUCTION = "Answer the question using these conversation records.\n\n"
 SEPARATOR = "\n\n"
@@ -78,7 +79,7 @@ def score(model: Any, kv: Any, last: int, continuation: list[int]) -> tuple[floa
     """NLL (sum) of ``continuation`` after the prompt (its KV without the last token, then ``last``), the argmaxes,
     and by how much (log-probability) each argmax leads the runner-up."""
     past = kv.to_dynamic_cache(model.config)
-    logits = model(torch.tensor([[last, *continuation[:-1]]]), past_key_values=past).logits[0].float()
+    logits = model(torch.tensor([[last, *continuation[:-1]]]), **cache_arg(model, past)).logits[0].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(continuation), reduction="sum").item()
     two = logits.topk(2, -1)
     return nll, two.indices[:, 0], two.values[:, 0] - two.values[:, 1]

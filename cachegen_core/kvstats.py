@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .hfcompat import cache_arg
 from .kv import KVCache
 from .rotary import RotarySpec
 
@@ -85,7 +86,7 @@ class KVStats:
             rotated = rotary.rotate(keys, 0) if rotary is not None else keys
             dtype = next(model.parameters()).dtype
             past = KVCache(rotated.to(dtype), values.to(dtype)).to_dynamic_cache(model.config)
-            logits = model(torch.tensor([continuation], device=model.device), past_key_values=past).logits[0].float()
+            logits = model(torch.tensor([continuation], device=model.device), **cache_arg(model, past)).logits[0].float()
             drawn = torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
             loss = torch.nn.functional.cross_entropy(logits, drawn, reduction="sum")
             grads = torch.autograd.grad(loss, [keys, values])

@@ -12,7 +12,7 @@ MAX_LINES = 400
 
 #: Each layer of cachegen_core may import only the layers listed before it (docs/architecture.md).
 LAYERS = [
-    {"errors", "paths"},
+    {"errors", "paths", "hfcompat"},
     {"kv", "chunks", "manifest", "format", "quantize", "config", "fingerprint", "models", "raw", "rotary", "transform",
      "pipeline", "kvstats", "segments"},
     {"coders"},

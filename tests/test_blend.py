@@ -6,6 +6,7 @@ import torch
 from cachegen_core.engine import hf
 from cachegen_core.engine.blend import BlendConfig, blend, blend_support, last_document_first, question_attention
 from cachegen_core.engine.rope import Rope, rope_of, shift_keys
+from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache
 from cachegen_core.testing import make_tiny_llama
 
@@ -80,7 +81,7 @@ def test_recomputing_every_token_reproduces_full_prefill_kv_and_first_token(tiny
     hf.prefill_into(tiny_llama, ids[end:], buf, end)
     with torch.no_grad():
         ref = tiny_llama(torch.tensor([ids])).logits[0, -1]
-        last = tiny_llama(torch.tensor([ids[-1:]]), past_key_values=buf.slice(0, LENGTH - 1).to_dynamic_cache(tiny_llama.config)).logits[0, -1]
+        last = tiny_llama(torch.tensor([ids[-1:]]), **cache_arg(tiny_llama, buf.slice(0, LENGTH - 1).to_dynamic_cache(tiny_llama.config))).logits[0, -1]
     assert int(last.argmax()) == int(ref.argmax()) and torch.allclose(last, ref, atol=1e-3)
 
 

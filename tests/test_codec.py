@@ -10,6 +10,7 @@ from cachegen_core.coders.reference import ReferenceCoder
 from cachegen_core.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.format import Limits, pack, read_header, unpack
+from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache, KVShapeError
 from cachegen_core.pipeline import components, dequantise, quantise, synthesise
 from cachegen_core.profile import Profile
@@ -89,7 +90,7 @@ def test_finest_level_generates_the_same_greedy_tokens(tiny_llama, seed):
         plain = tiny_llama.generate(ids, max_new_tokens=10, do_sample=False)
         kv = KVCache.from_dynamic_cache(tiny_llama(ids[:, :-1], use_cache=True).past_key_values)
         decoded = codec.decode(codec.encode(kv, 0))
-        cached = tiny_llama.generate(ids, past_key_values=decoded.to_dynamic_cache(tiny_llama.config), max_new_tokens=10, do_sample=False)
+        cached = tiny_llama.generate(ids, **cache_arg(tiny_llama, decoded.to_dynamic_cache(tiny_llama.config)), max_new_tokens=10, do_sample=False)
     assert torch.equal(plain, cached)
 
 

@@ -5,6 +5,7 @@ import torch
 
 from cachegen_core.chunks import blob_key
 from cachegen_core.engine import KVEngine
+from cachegen_core.hfcompat import cache_arg
 from cachegen_core.stores.disk import DiskCacheStore
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer, words
@@ -217,7 +218,7 @@ def test_model_cache_appends_in_place_into_spare_capacity(tiny_llama, tiny_token
     assert type(cache.layers[0]).__name__ == "_InPlaceLayer" and cache.get_seq_length() == 256
     with torch.no_grad():
         out = tiny_llama.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                  past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=2)  # fmt: skip
+                                  **cache_arg(tiny_llama, cache), max_new_tokens=20, do_sample=False, pad_token_id=2)  # fmt: skip
     text = tiny_tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
     assert text == plain_greedy(tiny_llama, tiny_tokenizer, words(3, 300), 20)
     assert cache.layers[0].keys.data_ptr() == buf.keys.data_ptr()  # still the caller's buffer
@@ -227,7 +228,7 @@ def test_model_cache_appends_in_place_into_spare_capacity(tiny_llama, tiny_token
     cache = hf.model_cache(tiny_llama, small, 256)  # one spare slot: later tokens fall back to concatenation
     with torch.no_grad():
         out = tiny_llama.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                  past_key_values=cache, max_new_tokens=20, do_sample=False, pad_token_id=2)  # fmt: skip
+                                  **cache_arg(tiny_llama, cache), max_new_tokens=20, do_sample=False, pad_token_id=2)  # fmt: skip
     assert tiny_tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True) == text
 
 
@@ -271,8 +272,8 @@ def test_gqa_attention_gives_sdpas_results_without_copying_kv_heads(tiny_tokeniz
     with torch.no_grad():
         assert torch.allclose(base(torch.tensor([ids])).logits, gqa(torch.tensor([ids])).logits, atol=1e-5)
         past = hf.prefill(base, ids[:140])
-        a = base(torch.tensor([ids[140:]]), past_key_values=hf.model_cache(base, past)).logits
-        b = gqa(torch.tensor([ids[140:]]), past_key_values=hf.model_cache(gqa, past)).logits
+        a = base(torch.tensor([ids[140:]]), **cache_arg(base, hf.model_cache(base, past))).logits
+        b = gqa(torch.tensor([ids[140:]]), **cache_arg(gqa, hf.model_cache(gqa, past))).logits
     assert torch.allclose(a, b, atol=1e-5)
     mha = make_tiny_llama(seed=4, kv_heads=4)
     mha.set_attn_implementation("sdpa")
@@ -295,8 +296,8 @@ def test_prefill_after_a_short_prefix_skips_the_masked_half(tiny_tokenizer, monk
     ids = tiny_tokenizer(words(81, 200))["input_ids"][: prefix + 100]
     with torch.no_grad():
         past = hf.prefill(base, ids[:prefix])
-        a = base(torch.tensor([ids[prefix:]]), past_key_values=hf.model_cache(base, past)).logits
-        b = gqa(torch.tensor([ids[prefix:]]), past_key_values=hf.model_cache(gqa, past)).logits
+        a = base(torch.tensor([ids[prefix:]]), **cache_arg(base, hf.model_cache(base, past))).logits
+        b = gqa(torch.tensor([ids[prefix:]]), **cache_arg(gqa, hf.model_cache(gqa, past))).logits
     assert torch.allclose(a, b, atol=1e-5)
     layers = gqa.config.num_hidden_layers
     assert calls == ([100] * layers if prefix <= 50 else [])

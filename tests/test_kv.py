@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache, KVShapeError, merge_heads, split_heads
 
 
@@ -25,7 +26,7 @@ def test_generate_with_converted_cache_matches_plain(tiny_llama):
     with torch.no_grad():
         plain = tiny_llama.generate(ids, max_new_tokens=8, do_sample=False)
         kv = KVCache.from_dynamic_cache(tiny_llama(ids[:, :-1], use_cache=True).past_key_values)
-        cached = tiny_llama.generate(ids, past_key_values=kv.to_dynamic_cache(tiny_llama.config), max_new_tokens=8, do_sample=False)
+        cached = tiny_llama.generate(ids, **cache_arg(tiny_llama, kv.to_dynamic_cache(tiny_llama.config)), max_new_tokens=8, do_sample=False)
     assert torch.equal(plain, cached)
 
 

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ..hfcompat import cache_arg
 from ..kv import KVCache, KVShapeError
 
 
@@ -93,7 +94,7 @@ def model_cache(model: Any, kv: KVCache | None, filled: int | None = None) -> An
 @torch.no_grad()
 def prefill(model: Any, ids: Sequence[int], past: KVCache | None = None) -> KVCache:
     """KV of ``ids`` computed by the model on top of ``past`` (only the new tokens, owning their memory)."""
-    out = model(torch.tensor([list(ids)], device=model.device), past_key_values=model_cache(model, past), use_cache=True)
+    out = model(torch.tensor([list(ids)], device=model.device), **cache_arg(model, model_cache(model, past)), use_cache=True)
     kv = KVCache.from_dynamic_cache(out.past_key_values).slice(past.num_tokens if past is not None else 0)
     return KVCache(kv.keys.clone(), kv.values.clone())
 
@@ -108,7 +109,7 @@ def prefill_into(model: Any, ids: Sequence[int], buffer: KVCache, start: int) ->
     if end > buffer.num_tokens:
         raise KVShapeError(f"{len(ids)} tokens after {start} do not fit a buffer of {buffer.num_tokens}")
     cache = model_cache(model, buffer, start)
-    model(torch.tensor([list(ids)], device=model.device), past_key_values=cache, use_cache=True)
+    model(torch.tensor([list(ids)], device=model.device), **cache_arg(model, cache), use_cache=True)
     first = cache.layers[0]
     if not (isinstance(first, _InPlaceLayer) and first._kbuf is not None):
         kv = KVCache.from_dynamic_cache(cache).slice(start, end)
@@ -211,7 +212,7 @@ def generate(
     out = model.generate(
         input_ids,
         attention_mask=torch.ones_like(input_ids),
-        past_key_values=model_cache(model, past, filled),
+        **cache_arg(model, model_cache(model, past, filled)),
         streamer=timer,
         return_dict_in_generate=True,
         **kwargs,
