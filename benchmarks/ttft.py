@@ -141,6 +141,7 @@ def measure(
     from cachegen_core.codec import KVCodec  # noqa: PLC0415
     from cachegen_core.config import CodecConfig  # noqa: PLC0415
     from cachegen_core.fingerprint import model_fingerprint  # noqa: PLC0415
+    from cachegen_core.hfcompat import output_cache  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
     from cachegen_core.profile import find_profile  # noqa: PLC0415
 
@@ -153,7 +154,7 @@ def measure(
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
     prefill_s = (time.perf_counter() - t) / len(ids)
-    kv = KVCache.from_dynamic_cache(out.past_key_values)
+    kv = KVCache.from_dynamic_cache(output_cache(out))
     print(f"# prefill {len(ids)} tokens: {prefill_s * len(ids):.1f} s ({1 / prefill_s:.0f} tokens/s)", file=sys.stderr)
     costs, fp16_b, u8_b, deq = [], [], [], []
     scale = 1.0

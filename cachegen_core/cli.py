@@ -72,6 +72,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     from .config import CodecConfig  # noqa: PLC0415
     from .fingerprint import model_fingerprint  # noqa: PLC0415
+    from .hfcompat import output_cache  # noqa: PLC0415
     from .kv import KVCache  # noqa: PLC0415
     from .kvstats import kv_statistics  # noqa: PLC0415
     from .models import load_model  # noqa: PLC0415
@@ -112,7 +113,7 @@ def _profile(args: argparse.Namespace) -> int:
         for x in tqdm(ids, desc="tables", unit="text", file=sys.stderr):
             with torch.no_grad():
                 out = model(torch.tensor([x]), use_cache=True)
-            yield KVCache.from_dynamic_cache(out.past_key_values)
+            yield KVCache.from_dynamic_cache(output_cache(out))
 
     profile = Profile.fit(
         config, caches(), transform=transform, rotary=rotary, chunk_tokens=args.chunk_tokens, model_fingerprint=fp

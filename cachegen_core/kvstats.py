@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .hfcompat import cache_arg
+from .hfcompat import cache_arg, output_cache
 from .kv import KVCache
 from .rotary import RotarySpec
 
@@ -123,7 +123,7 @@ def kv_statistics(
             continue
         with torch.no_grad():
             out = model(torch.tensor([ids[: max(usable)]], device=model.device), use_cache=True)
-        kv = KVCache.from_dynamic_cache(out.past_key_values)
+        kv = KVCache.from_dynamic_cache(output_cache(out))
         if stats is None:
             stats = KVStats.empty(kv.num_layers, kv.num_kv_heads, kv.head_dim)
         stats.add_covariance(kv, rotary=rotary, chunk_tokens=chunk_tokens, sink_tokens=sink_tokens)

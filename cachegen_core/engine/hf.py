@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..hfcompat import cache_arg
+from ..hfcompat import cache_arg, output_cache
 from ..kv import KVCache, KVShapeError
 
 
@@ -95,7 +95,7 @@ def model_cache(model: Any, kv: KVCache | None, filled: int | None = None) -> An
 def prefill(model: Any, ids: Sequence[int], past: KVCache | None = None) -> KVCache:
     """KV of ``ids`` computed by the model on top of ``past`` (only the new tokens, owning their memory)."""
     out = model(torch.tensor([list(ids)], device=model.device), **cache_arg(model, model_cache(model, past)), use_cache=True)
-    kv = KVCache.from_dynamic_cache(out.past_key_values).slice(past.num_tokens if past is not None else 0)
+    kv = KVCache.from_dynamic_cache(output_cache(out)).slice(past.num_tokens if past is not None else 0)
     return KVCache(kv.keys.clone(), kv.values.clone())
 
 
@@ -224,7 +224,7 @@ def generate(
     hit = min(((text.find(s), s) for s in stops if s in text), default=(-1, None))[1]
     limit = kwargs.get("max_new_tokens")
     ended = (new.numel() > 0 and int(new[-1]) in eos_ids) or hit is not None or (limit is not None and new.numel() < limit)
-    return Generated(text, out.past_key_values, int(new.numel()), timer.ttft, "stop" if ended else "length", hit)
+    return Generated(text, output_cache(out), int(new.numel()), timer.ttft, "stop" if ended else "length", hit)
 
 
 def stream_pieces(tokenizer: Any, run: Callable[[Any], tuple[str, Any]]) -> Iterator[Any]:
