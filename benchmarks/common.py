@@ -66,23 +66,67 @@ def setup_threads() -> int:
     return n
 
 
-def load(model: str = DEFAULT_MODEL) -> tuple[Any, Any]:
-    """The model and tokenizer (reference model by default), in eval mode."""
+#: A 7B-class decoder's shape (Mistral-7B, Llama-3-8B: 32 layers, 32 query and 8 KV heads of 128, MLP 14336).
+SHAPE_7B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336}
+SHAPED = "llama-7b-shaped"
+
+
+def load(model: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.dtype | None = None) -> tuple[Any, Any]:
+    """The model and tokenizer (reference model by default), in eval mode, on ``device``.
+
+    ``llama-7b-shaped`` (or ``llama-shaped:layers=2,hidden=256,...``, any keys of :data:`SHAPE_7B`): a Llama of
+    that shape with random weights (seed 0) and the reference model's tokenizer, built on ``device`` in ``dtype``
+    (default bfloat16): for timing only, its outputs mean nothing.
+    """
     from cachegen_core.models import load_model
 
     t = time.perf_counter()
-    m, tok = load_model(model)
+    if is_shaped(model):
+        m, tok = shaped_model(model, device, dtype or torch.bfloat16)
+    else:
+        m, tok = load_model(model, device=device, dtype=dtype)
     print(f"# loaded {model} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     return m, tok
+
+
+def is_shaped(model: str) -> bool:
+    """Whether ``model`` names a random-init shaped model (see :func:`load`)."""
+    return model == SHAPED or model.startswith("llama-shaped")
+
+
+def shaped_model(spec: str, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """A random-init Llama of the shape ``spec`` names (see :func:`load`), with the reference tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    from cachegen_core.models import load_model  # noqa: PLC0415
+
+    shape = dict(SHAPE_7B)
+    for item in filter(None, spec.partition(":")[2].split(",")):
+        key, _, value = item.partition("=")
+        if key not in shape:
+            raise ValueError(f"unknown shape key {key!r} in {spec!r} (known: {sorted(shape)})")
+        shape[key] = int(value)
+    _, tok = load_model(DEFAULT_MODEL)  # the tokenizer (the 135M weights load in ~0.2 s and are dropped)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                         num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"], max_position_embeddings=32768, rope_theta=1e6,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = tok.eos_token_id
+    model.name_or_path = spec
+    return model.eval(), tok
 
 
 @torch.no_grad()
 def context_kv(model: Any, ids: list[int]) -> Any:
     """Real KV cache of ``ids`` on ``model``."""
+    from cachegen_core.hfcompat import output_cache
     from cachegen_core.kv import KVCache
 
     out = model(torch.tensor([ids], device=model.device), use_cache=True)
-    return KVCache.from_dynamic_cache(out.past_key_values)
+    return KVCache.from_dynamic_cache(output_cache(out))
 
 
 def transcript_ids(tokenizer: Any, texts: list[str], n_tokens: int) -> Iterator[list[int]]:

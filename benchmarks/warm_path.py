@@ -1,6 +1,8 @@
 """Warm time to first token of every way to reuse a stored context, on every store and link (issue 15).
 
     python -m benchmarks.warm_path [--quick] [--data F] [--device cpu|cuda] [--out F.jsonl]
+    python -m benchmarks.warm_path --device cuda --model llama-7b-shaped --contexts 7680 \
+        --stores memory redis redis@10gbps        # the GPU target: a 7B-shaped model, timing only
 
 For contexts of about 3K and 7.5K tokens (held-out LongChat transcripts, a question after
 them), the time from the request to the first generated token of:
@@ -23,7 +25,11 @@ minus one. The contexts share their first tokens (the transcripts' common header
 first one a storing engine reuses a 64-token partial chunk and prefills the rest after it.
 
 Stores: ``memory``, ``disk`` (diskcache in a temp dir), ``redis`` (a real redis-server on
-loopback), and the same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s. Every policy
+loopback), and the same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s (and to 10 Gbit/s,
+``redis@10gbps``, when asked: the proxy forwards 8.1 Gbit/s at most on a 2-core box, so that link
+is for bigger hosts). ``--model llama-7b-shaped`` (``benchmarks.common.load``): a Llama of 7B shape
+with random weights and the reference tokenizer, in ``--dtype`` (bfloat16 by default), for timing
+only: its rows say ``"random_init": true``; its answers and any quality mean nothing. Every policy
 is warmed up (the engine learns its costs and the link) before it is timed; a row is the
 median of ``--reps`` runs. ``bound_s`` = bytes / link bandwidth (none for local stores) +
 decoding the levels' symbols at the native coder's rANS rate measured here + the question's
@@ -49,14 +55,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, best_time, emit, load, read_jsonl, setup_threads
+from benchmarks.common import DEFAULT_MODEL, SHAPED, add_data_option, best_time, emit, is_shaped, load, read_jsonl, setup_threads
 from cachegen_core.chunks import chunk_keys
 from cachegen_core.engine import KVEngine, hf
 from cachegen_core.engine.attention import use_gqa_attention
 from cachegen_core.kv import KVCache, empty_tensor
 
 QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
-LINKS = {"redis@1gbps": 1.0, "redis@0.2gbps": 0.2}
+LINKS = {"redis@1gbps": 1.0, "redis@0.2gbps": 0.2, "redis@10gbps": 10.0}
+DEFAULT_STORES = ["memory", "disk", "redis", "redis@1gbps", "redis@0.2gbps"]
 
 
 # ------------------------------------------------------------------ the naive formats
@@ -132,7 +139,8 @@ def redis_links(kinds: list[str]) -> Iterator[dict[str, str]]:
         urls = {"redis": server.url}
         for kind, gbps in LINKS.items():
             if kind in kinds:
-                proxy = stack.enter_context(ThrottledProxy(server.port, [gbps], slice_s=3600.0, shape_upload=False))
+                piece = max(64 << 10, int(gbps * 1e9 / 8 * 2e-4))  # 0.2 ms of the link a piece: 64 KB up to 2.6 Gbit/s
+                proxy = stack.enter_context(ThrottledProxy(server.port, [gbps], slice_s=3600.0, shape_upload=False, piece_bytes=piece))
                 urls[kind] = f"redis://{proxy.host}:{proxy.port}/0"
         yield urls
 
@@ -219,11 +227,13 @@ def rans_rate(engine: KVEngine, kv: KVCache) -> float:
 def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_option(ap)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"a model name or path, or {SHAPED} (random weights, timing only)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                    help="the model's dtype (default: as saved; bfloat16 for a shaped model)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[3072, 7680], help="context tokens (multiples of the chunk)")
     ap.add_argument("--transcripts", type=int, default=2, help="held-out transcripts (10, 11, ...) per context length")
-    ap.add_argument("--stores", nargs="+", default=["memory", "disk", "redis", *LINKS])
+    ap.add_argument("--stores", nargs="+", default=DEFAULT_STORES, choices=["memory", "disk", "redis", *LINKS])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--quick", action="store_true", help="one 3K context, one transcript, one rep: under 10 minutes on 2 cores")
@@ -233,8 +243,7 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
     if args.quick:
         args.contexts, args.transcripts, args.reps, args.miss_contexts = [3072], 1, 1, 2
     setup_threads()
-    model, tok = load(args.model)
-    model = model.to(args.device)
+    model, tok = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     use_gqa_attention(model)  # as KVEngine.from_pretrained does; every policy, baselines included, runs on it
     texts = read_jsonl(args.data, "prompt")[10 : 10 + args.transcripts]
     out = open(args.out, "w") if args.out else None  # noqa: SIM115
@@ -305,6 +314,7 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
             "bytes": int(statistics.mean(r["bytes"] for r in rs)), "decode_s": round(statistics.mean(r["decode_s"] for r in rs), 4),
             "bound_s": round(statistics.mean(bounds[name]), 4), "transcripts": len(rs), "reps": args.reps,
             "device": str(model.device), "rans_msym_s": round(rate / 1e6, 1),
+            "model": args.model, "dtype": str(hf.model_dtype(model)).removeprefix("torch."), "random_init": is_shaped(args.model),
         }  # fmt: skip
         if any("options" in r for r in rs):
             row["options"] = [r.get("options") for r in rs]

@@ -1,0 +1,44 @@
+"""benchmarks.warm_path runs end to end on a shaped random-init model (as the GPU run's 7B-shaped one) and says so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import common, warm_path
+from cachegen_core.testing import words
+
+SHAPE = "llama-shaped:layers=2,hidden=64,heads=4,kv_heads=2,intermediate=128"
+
+
+@pytest.fixture(autouse=True)
+def tiny_tokenizer_for_shaped_models(tiny_model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "DEFAULT_MODEL", tiny_model_dir)  # the tokenizer a shaped model takes
+    monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_a_shaped_model_has_the_shape_asked_random_weights_and_the_reference_tokenizer():
+    model, tok = common.load(SHAPE)
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size) == (2, 64, 4, 2, 128)
+    assert model.dtype == torch.bfloat16 and c.vocab_size == len(tok)
+    again, _ = common.load(SHAPE, dtype=torch.float32)
+    assert again.dtype == torch.float32 and torch.allclose(again.model.embed_tokens.weight.bfloat16(), model.model.embed_tokens.weight)
+    with pytest.raises(ValueError, match="unknown shape key 'width'"):
+        common.load("llama-shaped:width=3")
+
+
+def test_warm_path_rows_of_a_shaped_model_are_labelled_timing_only(tmp_path):
+    data = tmp_path / "t.jsonl"  # warm_path reads transcripts 10 on (held out)
+    data.write_text("".join(json.dumps({"prompt": words(200 + i, 700), "label": ["x"]}) + "\n" for i in range(12)))
+    out = tmp_path / "warm.jsonl"
+    warm_path.main(["--model", SHAPE, "--data", str(data), "--contexts", "512", "--chunk-tokens", "256", "--stores", "memory",
+                    "--transcripts", "1", "--reps", "1", "--miss-contexts", "0", "--out", str(out)])  # fmt: skip
+    rows = [json.loads(line) for line in open(out)]
+    policies = {r["policy"]: r for r in rows if "policy" in r}
+    assert {"text", "fp16", "uniform8", "cachegen-auto"} <= set(policies)
+    assert all(r["random_init"] and r["model"] == SHAPE and r["dtype"] == "bfloat16" for r in policies.values())
+    assert policies["fp16"]["bytes"] == 2 * 2 * 2 * 2 * 16 * 512  # layers x (K, V) x KV heads x 2 bytes x head_dim x tokens
+    assert [r["summary"] for r in rows if "summary" in r] == ["auto_vs_fp16"]
