@@ -2,8 +2,8 @@
 
     python -m examples.rag_documents [--model smollm2-135m] [--data F] [--doc-tokens 1024] [--k 3] [--store memory|disk|...]
 
-The transcripts are cut into ~1K-token passages and indexed with BM25 (``langchain-community``,
-extra ``rag``: ``pip install 'langchain-cachegen[rag]'``); runs offline. The chain is the usual one, with
+The transcripts are cut into ~1K-token passages and indexed with BM25 (:class:`BM25Retriever`, a
+LangChain retriever over ``bm25s``, extra ``rag``: ``pip install 'langchain-cachegen[rag]'``); runs offline. The chain is the usual one, with
 ``format_documents`` as its ``format_docs`` step::
 
     {"context": retriever | format_documents, "question": RunnablePassthrough()} | prompt | llm
@@ -22,11 +22,13 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.callbacks import BaseCallbackHandler, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnablePassthrough
 
 from examples.rag_chain import make_store
@@ -55,6 +57,28 @@ def passages(tokenizer, doc_tokens: int, path: Path = DATA) -> list[Document]:
     return docs
 
 
+class BM25Retriever(BaseRetriever):
+    """The ``k`` documents that score highest for a query under BM25 (``bm25s``, in memory, offline)."""
+
+    docs: list[Document]
+    index: Any
+    k: int = 3
+
+    @classmethod
+    def from_documents(cls, docs: list[Document], k: int = 3) -> BM25Retriever:
+        import bm25s  # noqa: PLC0415 - the rag extra
+
+        index = bm25s.BM25()
+        index.index(bm25s.tokenize([d.page_content for d in docs], show_progress=False), show_progress=False)
+        return cls(docs=list(docs), index=index, k=k)
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        import bm25s  # noqa: PLC0415
+
+        found, _ = self.index.retrieve(bm25s.tokenize([query], show_progress=False), k=min(self.k, len(self.docs)), show_progress=False)
+        return [self.docs[i] for i in found[0]]
+
+
 class Info(BaseCallbackHandler):
     """Keeps the generation info (cached tokens, documents reused, TTFT) of the last LLM call."""
 
@@ -66,8 +90,6 @@ class Info(BaseCallbackHandler):
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from langchain_community.retrievers import BM25Retriever  # the rag extra
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--data", type=Path, default=DATA, help="LongChat-style JSON-lines transcripts (default: the shipped demo excerpt)")

@@ -65,6 +65,16 @@ def test_rag_documents_reuses_passages_retrieved_in_other_orders(tiny_model_dir,
     assert sum(r["documents_reused"] for r in rows) >= 2
 
 
+def test_the_bm25_retriever_ranks_the_passage_holding_the_query_words_first():
+    from langchain_core.documents import Document  # noqa: PLC0415
+
+    texts = ["the cat sat on the mat", "art and society in the renaissance", "science and technology of rockets"]
+    retriever = rag_documents.BM25Retriever.from_documents([Document(page_content=t, metadata={"id": i}) for i, t in enumerate(texts)], k=2)
+    assert [d.metadata["id"] for d in retriever.invoke("what about rockets and technology?")][0] == 2
+    assert [d.metadata["id"] for d in retriever.invoke("art in society")][0] == 1
+    assert len(retriever.invoke("nothing matches this")) == 2  # k documents, whatever their score
+
+
 def test_chat_history_reads_another_file_with_data(tiny_model_dir, tmp_path, capsys):
     data = tmp_path / "one.jsonl"
     data.write_text(json.dumps({"test_id": 0, "prompt": "w7 w8", "label": ["w9 w10", "w11"]}) + "\n")
