@@ -9,8 +9,9 @@ tokens that deviate most (``ratio`` of the cached tokens), and recomputes those 
 remaining layers with attention over the whole blended KV, overwriting their KV in place.
 With ``scores`` (:func:`question_attention`: how much the question after the documents attends
 to each token over the concatenated caches) the tokens scoring highest are kept instead of the
-deviating ones, picked before layer 0 (no pass over the others: it only serves the deviation). Cached tokens given as ``first`` (:func:`last_document_first`: the document right
-before the question) are recomputed before any picked, within the same budget.
+deviating ones, picked before layer 0 (no pass over the others: it only serves the deviation).
+Cached tokens given as ``first`` (:func:`last_document_first`: the document right before the
+question) are recomputed before any picked, within the same budget.
 Tokens with no cached KV (text between documents, documents not in the store) are always
 recomputed, through every layer. Every other token keeps its cached KV at every layer, so
 ``ratio=0`` with nothing to force leaves the KV as it is (plain concatenation) and
@@ -270,9 +271,9 @@ def blend(
     cos, sin = (t[0] for t in inner.rotary_emb(h[None], positions[None]))
     rows = torch.arange(n, device=device)  # the region tokens whose hidden state h holds: the queries
     forced = forced.to(device)
-    masks = _masks(positions, end, query_block)
     # scores pick before layer 0: no other token needs a pass (layer 0's KV is context-free); the deviation needs one
     check_layer = 0 if scores is not None else min(check_layer, len(inner.layers) - 1)
+    masks = _masks(positions, end, query_block) if check_layer > 0 else []  # made for the picked rows at the check layer
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
