@@ -96,9 +96,9 @@ def is_shaped(model: str) -> bool:
 
 def shaped_model(spec: str, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """A random-init Llama of the shape ``spec`` names (see :func:`load`), with the reference tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
 
-    from cachegen_core.models import load_model  # noqa: PLC0415
+    from cachegen_core.models import resolve_model  # noqa: PLC0415
 
     shape = dict(SHAPE_7B)
     for item in filter(None, spec.partition(":")[2].split(",")):
@@ -106,7 +106,7 @@ def shaped_model(spec: str, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
         if key not in shape:
             raise ValueError(f"unknown shape key {key!r} in {spec!r} (known: {sorted(shape)})")
         shape[key] = int(value)
-    _, tok = load_model(DEFAULT_MODEL)  # the tokenizer (the 135M weights load in ~0.2 s and are dropped)
+    tok = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL), local_files_only=True)  # its tokenizer alone
     config = LlamaConfig(vocab_size=len(tok), hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
                          num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
                          num_key_value_heads=shape["kv_heads"], max_position_embeddings=32768, rope_theta=1e6,
