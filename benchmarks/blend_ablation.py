@@ -268,13 +268,9 @@ def oracle_scores(model: Any, ids: list[int], cont: list[int], buffer: Any, star
         return question_attention(model, [*ids, *cont], buffer, start, end, cached, len(ids) - end + len(cont))
     if how != "oracle-dev":
         raise ValueError(f"unknown oracle {how!r}")
-    full = hf.prefill(model, ids[:end])
-    dev = torch.zeros(end - start)
-    for li in range(full.keys.shape[0]):
-        for new, old in ((full.keys[li], buffer.keys[li]), (full.values[li], buffer.values[li])):
-            new, old = new[:, start:end].float(), old[:, start:end].float()
-            dev += (new - old).pow(2).sum((0, 2)) / new.pow(2).sum((0, 2)).mean().clamp_min(1e-12)
-    return dev
+    full, cut = hf.prefill(model, ids[:end]), slice(start, end)
+    return sum(_deviation(full.keys[li][:, cut], full.values[li][:, cut], buffer.keys[li][:, cut], buffer.values[li][:, cut], "kv")
+               for li in range(full.keys.shape[0]))  # fmt: skip
 
 
 def doc_kv(model: Any, pre: tuple[int, ...], doc: list[int]) -> Any:
