@@ -26,8 +26,8 @@ first one a storing engine reuses a 64-token partial chunk and prefills the rest
 
 Stores: ``memory``, ``disk`` (diskcache in a temp dir), ``redis`` (a real redis-server on
 loopback), and the same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s (and to 10 Gbit/s,
-``redis@10gbps``, when asked: the proxy forwards 8.1 Gbit/s at most on a 2-core box, so that link
-is for bigger hosts). ``--model llama-7b-shaped`` (``benchmarks.common.load``): a Llama of 7B shape
+``redis@10gbps``, when asked: the proxy forwards about 8.4 Gbit/s at most on a 2-core box,
+``docs/results.md``, "What the shaped links deliver", so that link is for bigger hosts). ``--model llama-7b-shaped`` (``benchmarks.common.load``): a Llama of 7B shape
 with random weights and the reference tokenizer, in ``--dtype`` (bfloat16 by default), for timing
 only: its rows say ``"random_init": true``; its answers and any quality mean nothing. Every policy
 is warmed up (the engine learns its costs and the link) before it is timed; a row is the
