@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     from cachegen_core.engine.blend import SELECTIONS, BlendConfig, blend, blend_support, last_document_first, question_attention  # noqa: PLC0415
     from cachegen_core.engine.rope import shift_keys  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
-    from cachegen_core.segments import document_spans  # noqa: PLC0415
+    from cachegen_core.keys.segments import document_spans  # noqa: PLC0415
 
     variants = [V("default", engine=True), *STAGE1]
     if args.variants:

@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> None:
         args.contexts, args.tokens = 1, args.chunk_tokens
     setup_threads()
 
-    from cachegen_core.codec import KVCodec
+    from cachegen_core.codec.kvcodec import KVCodec
     from cachegen_core.coders import default_coder, get_coder
-    from cachegen_core.config import CodecConfig
-    from cachegen_core.fingerprint import model_fingerprint
+    from cachegen_core.codec.config import CodecConfig
+    from cachegen_core.keys.fingerprint import model_fingerprint
     from cachegen_core.kv import KVCache
-    from cachegen_core.profile import find_profile
+    from cachegen_core.codec.profile import find_profile
 
     model, tok = load(args.model)
     fp = model_fingerprint(model, tok)

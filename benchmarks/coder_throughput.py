@@ -37,7 +37,7 @@ import numpy as np
 
 from benchmarks.common import add_data_option, best_time, emit
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, ideal_bits_per_stream
-from cachegen_core.config import CodecConfig
+from cachegen_core.codec.config import CodecConfig
 
 
 def subset(layout: StreamLayout, max_symbols: int) -> StreamLayout:
@@ -61,8 +61,8 @@ def laplace_freqs(scales: np.ndarray, centre: float, alphabet: int = 256) -> np.
 def synthetic_7b(tokens: int = 1536, seed: int = 0) -> tuple[np.ndarray, StreamLayout, np.ndarray]:
     """Symbols, layout and tables of a 7B-shaped chunk laid out like ``KVCodec.prepare`` does
     (substreams of whole tokens, every kind, layer and component; one table per component)."""
-    from cachegen_core.substreams import ChunkGeometry, stream_layout  # noqa: PLC0415
-    from cachegen_core.profile import TableLayout  # noqa: PLC0415
+    from cachegen_core.codec.substreams import ChunkGeometry, stream_layout  # noqa: PLC0415
+    from cachegen_core.codec.profile import TableLayout  # noqa: PLC0415
 
     layers, heads, dim, config = 32, 8, 128, CodecConfig()
     rng = np.random.default_rng(seed)
@@ -80,9 +80,9 @@ def real_chunks(
     """The reference model's chunk with its profile's tables and with per-chunk tables ([] if unavailable)."""
     try:
         from benchmarks.common import LONGCHAT, context_kv, load, read_jsonl  # noqa: PLC0415
-        from cachegen_core.codec import KVCodec  # noqa: PLC0415
-        from cachegen_core.fingerprint import model_fingerprint  # noqa: PLC0415
-        from cachegen_core.profile import find_profile  # noqa: PLC0415
+        from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
+        from cachegen_core.keys.fingerprint import model_fingerprint  # noqa: PLC0415
+        from cachegen_core.codec.profile import find_profile  # noqa: PLC0415
 
         model, tok = load(model_name)
         fp = model_fingerprint(model, tok)

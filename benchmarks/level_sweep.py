@@ -35,12 +35,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     setup_threads()
 
-    from cachegen_core.codec import KVCodec  # noqa: PLC0415
-    from cachegen_core.config import DEFAULT_LEVELS, CodecConfig  # noqa: PLC0415
-    from cachegen_core.kvstats import kv_statistics  # noqa: PLC0415
-    from cachegen_core.profile import Profile  # noqa: PLC0415
-    from cachegen_core.rotary import RotarySpec  # noqa: PLC0415
-    from cachegen_core.transform import fit_transform  # noqa: PLC0415
+    from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
+    from cachegen_core.codec.config import DEFAULT_LEVELS, CodecConfig  # noqa: PLC0415
+    from cachegen_core.codec.kvstats import kv_statistics  # noqa: PLC0415
+    from cachegen_core.codec.profile import Profile  # noqa: PLC0415
+    from cachegen_core.codec.rotary import RotarySpec  # noqa: PLC0415
+    from cachegen_core.codec.transform import fit_transform  # noqa: PLC0415
 
     levels = DEFAULT_LEVELS + tuple(args.extra)
     config = CodecConfig(levels=levels)

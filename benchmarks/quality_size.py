@@ -250,10 +250,10 @@ def main(argv: list[str] | None = None) -> None:
         args.last, args.contexts, args.zstd_level = args.first + 2, [1536], 10
     setup_threads()
 
-    from cachegen_core.codec import KVCodec  # noqa: PLC0415
-    from cachegen_core.config import CodecConfig  # noqa: PLC0415
-    from cachegen_core.fingerprint import model_fingerprint  # noqa: PLC0415
-    from cachegen_core.profile import find_profile  # noqa: PLC0415
+    from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
+    from cachegen_core.codec.config import CodecConfig  # noqa: PLC0415
+    from cachegen_core.keys.fingerprint import model_fingerprint  # noqa: PLC0415
+    from cachegen_core.codec.profile import find_profile  # noqa: PLC0415
 
     model, tok = load(args.model)
     fp = model_fingerprint(model, tok)

@@ -64,7 +64,7 @@ def document_pool(tok: Any, texts: list[str], doc_tokens: int, continuation: int
 
 def build(tok: Any, docs: list[list[int]]) -> Any:
     """A prompt: the tokenizer's leading specials, the instruction, the documents, the question."""
-    from cachegen_core.segments import SegmentedPrompt, tokenize_parts  # noqa: PLC0415
+    from cachegen_core.keys.segments import SegmentedPrompt, tokenize_parts  # noqa: PLC0415
 
     text = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     lead = tokenize_parts(tok, [(INSTRUCTION, False)]).ids

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cachegen_core.chunks import blob_key  # noqa: E402
+from cachegen_core.keys.chunks import blob_key  # noqa: E402
 from cachegen_core.engine import KVEngine  # noqa: E402
 from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: E402
 from cachegen_core.testing import make_tiny_llama, make_tiny_tokenizer, running_redis_server, words  # noqa: E402
@@ -305,9 +305,9 @@ def scenario_foreign_blob(bench: Bench, n: int = 3) -> dict[str, Any]:
 
 def scenario_other_codec_blob(bench: Bench, n: int = 3) -> dict[str, Any]:
     """Blobs of this model under another codec configuration / profile planted under our keys."""
-    from cachegen_core.codec import KVCodec  # noqa: PLC0415
-    from cachegen_core.config import CodecConfig  # noqa: PLC0415
-    from cachegen_core.profile import Profile  # noqa: PLC0415
+    from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
+    from cachegen_core.codec.config import CodecConfig  # noqa: PLC0415
+    from cachegen_core.codec.profile import Profile  # noqa: PLC0415
 
     tally = Tally("other-codec blob")
     with counting_warnings() as w:
@@ -589,6 +589,7 @@ def scenario_concurrent(bench: Bench, threads: int = 8, rounds: int = 3, store: 
         flushed = eng.flush(timeout=HANG_S)
         for p in prompts[:2]:  # read back from the store itself: while its writes lag, the engine reads its hot tier
             infos.append(tally.ask(bench, eng, p, exact=False))
+        eng.flush(timeout=HANG_S)  # chunks dropped while the queue was full are queued again by these two
         stop.set()
         watcher.join()
         stats = eng.store_stats

@@ -138,12 +138,12 @@ def measure(
 ) -> Workload:
     """Encode a real context at every level; time decoding and prefill."""
     from benchmarks.baselines import uniform  # noqa: PLC0415
-    from cachegen_core.codec import KVCodec  # noqa: PLC0415
-    from cachegen_core.config import CodecConfig  # noqa: PLC0415
-    from cachegen_core.fingerprint import model_fingerprint  # noqa: PLC0415
+    from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
+    from cachegen_core.codec.config import CodecConfig  # noqa: PLC0415
+    from cachegen_core.keys.fingerprint import model_fingerprint  # noqa: PLC0415
     from cachegen_core.hfcompat import output_cache  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
-    from cachegen_core.profile import find_profile  # noqa: PLC0415
+    from cachegen_core.codec.profile import find_profile  # noqa: PLC0415
 
     model, tok = load(model_name)
     fp = model_fingerprint(model, tok)
@@ -189,7 +189,7 @@ def measure(
 def whole_decode_7b(config: Any, tokens: int) -> dict[int, float]:
     """Seconds of ``KVCodec.decode`` (entropy decoding, dequantisation, output) of a 7B-shaped chunk at
     every level, on this machine: KV with per-channel scales and some token locality, inline tables."""
-    from cachegen_core.codec import KVCodec  # noqa: PLC0415
+    from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(0)

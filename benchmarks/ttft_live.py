@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
 
     import redis  # noqa: PLC0415
 
-    from cachegen_core.chunks import blob_key  # noqa: PLC0415
+    from cachegen_core.keys.chunks import blob_key  # noqa: PLC0415
     from cachegen_core.engine import KVEngine  # noqa: PLC0415
     from cachegen_core.stores import RedisStore  # noqa: PLC0415
 

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import DEFAULT_MODEL, SHAPED, add_data_option, best_time, emit, is_shaped, load, read_jsonl, setup_threads
-from cachegen_core.chunks import chunk_keys
+from cachegen_core.keys.chunks import chunk_keys
 from cachegen_core.engine import KVEngine, hf
 from cachegen_core.engine.attention import use_gqa_attention
 from cachegen_core.kv import KVCache, empty_tensor

@@ -24,18 +24,18 @@ _EXPORTS = {
     "ChunkReader": "engine",
     "ChunkWriter": "engine",
     "CostModel": "engine",
-    "KVCodec": "codec",
-    "CodecConfig": "config",
-    "Profile": "profile",
+    "KVCodec": "codec.kvcodec",
+    "CodecConfig": "codec.config",
+    "Profile": "codec.profile",
     "KVCache": "kv",
     "MemoryStore": "stores",
     "DiskCacheStore": "stores",
     "RedisStore": "stores",
     "KVStore": "stores",
-    "Chunk": "chunks",
-    "chunk_keys": "chunks",
-    "blob_key": "chunks",
-    "Manifest": "manifest",
+    "Chunk": "keys.chunks",
+    "chunk_keys": "keys.chunks",
+    "blob_key": "keys.chunks",
+    "Manifest": "keys.manifest",
     "load_model": "models",
     "cache_dir": "paths",
     "CacheGenError": "errors",
@@ -48,16 +48,16 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from .chunks import Chunk, blob_key, chunk_keys
-    from .codec import KVCodec
-    from .config import CodecConfig
+    from .keys.chunks import Chunk, blob_key, chunk_keys
+    from .codec.kvcodec import KVCodec
+    from .codec.config import CodecConfig
     from .engine import ChunkReader, ChunkWriter, CostModel, GenerationInfo, KVEngine
     from .errors import BackendUnavailable, BlobMissing, CacheGenError, CacheGenFormatError, StoreError
     from .kv import KVCache
-    from .manifest import Manifest
+    from .keys.manifest import Manifest
     from .models import load_model
     from .paths import cache_dir
-    from .profile import Profile
+    from .codec.profile import Profile
     from .stores import DiskCacheStore, KVStore, MemoryStore, RedisStore
 
 

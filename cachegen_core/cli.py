@@ -35,7 +35,7 @@ Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], Non
 
 def _inspect(args: argparse.Namespace) -> int:
     from .errors import CacheGenFormatError  # noqa: PLC0415
-    from .format import read_header  # noqa: PLC0415
+    from .codec.format import read_header  # noqa: PLC0415
 
     data = Path(args.blob).read_bytes()
     try:
@@ -70,15 +70,15 @@ def _profile(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
-    from .config import CodecConfig  # noqa: PLC0415
-    from .fingerprint import model_fingerprint  # noqa: PLC0415
+    from .codec.config import CodecConfig  # noqa: PLC0415
+    from .keys.fingerprint import model_fingerprint  # noqa: PLC0415
     from .hfcompat import output_cache  # noqa: PLC0415
     from .kv import KVCache  # noqa: PLC0415
-    from .kvstats import kv_statistics  # noqa: PLC0415
+    from .codec.kvstats import kv_statistics  # noqa: PLC0415
     from .models import load_model  # noqa: PLC0415
-    from .profile import Profile, default_profile_path  # noqa: PLC0415
-    from .rotary import RotarySpec  # noqa: PLC0415
-    from .transform import fit_transform  # noqa: PLC0415
+    from .codec.profile import Profile, default_profile_path  # noqa: PLC0415
+    from .codec.rotary import RotarySpec  # noqa: PLC0415
+    from .codec.transform import fit_transform  # noqa: PLC0415
 
     model, tok = load_model(args.model)
     texts = []
@@ -175,7 +175,7 @@ def parse_quantity(text: str, units: str) -> float:
 
 
 def _open_store(args: argparse.Namespace) -> Any:
-    from .settings import load  # noqa: PLC0415
+    from .ops.settings import load  # noqa: PLC0415
     from .stores.url import open_store  # noqa: PLC0415
 
     settings = load()

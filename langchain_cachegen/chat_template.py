@@ -17,7 +17,7 @@ from typing import Any
 
 from langchain_core.messages import BaseMessage
 
-from cachegen_core.segments import SegmentedPrompt
+from cachegen_core.keys.segments import SegmentedPrompt
 
 from .documents import tokenize_marked
 from .messages import message_dicts

@@ -4,7 +4,7 @@
 one between two marker characters (:data:`DOC_START`, :data:`DOC_END`: private-use code points,
 which no text contains). ``CacheGenLLM`` and ``ChatCacheGen`` split the rendered prompt at the
 markers, tokenise the pieces, drop the markers and hand the engine a
-:class:`~cachegen_core.segments.SegmentedPrompt`: each marked piece's KV comes from its document
+:class:`~cachegen_core.keys.segments.SegmentedPrompt`: each marked piece's KV comes from its document
 cache (computed once on its own, then reused in any position, order or combination), blended
 with its neighbours (CacheBlend). Nothing else in the chain changes::
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from langchain_core.documents import Document
 
-from cachegen_core.segments import SegmentedPrompt, tokenize_parts
+from cachegen_core.keys.segments import SegmentedPrompt, tokenize_parts
 
 #: Opens a document (U+E000, private use).
 DOC_START = "\ue000"

@@ -10,49 +10,49 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 400
 
-#: Each layer of cachegen_core may import only the layers listed before it (docs/architecture.md).
+#: Each layer of cachegen_core may import only the layers listed before it (docs/architecture.md): a unit is a
+#: top-level module or subpackage.
 LAYERS = [
     {"errors", "paths", "hfcompat"},
-    {"kv", "chunks", "manifest", "format", "quantize", "config", "fingerprint", "models", "raw", "rotary", "transform",
-     "pipeline", "kvstats", "segments"},
+    {"kv", "models"},
+    {"keys"},
     {"coders"},
-    {"substreams", "profile", "bitstats", "fused", "fused_encode", "blob", "codec", "limits"},
+    {"codec"},
     {"stores"},
-    {"settings", "progress", "metrics", "prometheus"},
+    {"ops"},
     {"streaming"},
     {"engine"},
     {"cli", "__init__"},
     {"testing"},
 ]
-
-
-def _runtime_nodes(tree: ast.AST):
-    """Every node, except those under ``if TYPE_CHECKING:`` (imports for type hints only)."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            test = getattr(child, "test", None)
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(test):
-                stack.extend(child.orelse)
-                continue
-            stack.append(child)
+#: At most this many modules at the top of cachegen_core besides its subpackages: the tree is the map.
+MAX_TOP_LEVEL_MODULES = 10
 
 
 def _imports(path: Path, package: str) -> set[str]:
-    """Absolute names of the modules ``path`` (in dotted ``package``) imports at run time."""
+    """Absolute names ``path`` (in dotted ``package``) imports, type-only imports (under ``TYPE_CHECKING``) and
+    imports inside functions included: ``from x import y`` gives ``x.y`` (the module ``x.y`` or the name ``y`` of
+    ``x``: see :func:`_resolve`)."""
     out = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                out.add(".".join(base + ([node.module] if node.module else [])))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             else:
-                out.add(node.module or "")
+                base = node.module or ""
+            out |= {f"{base}.{a.name}" for a in node.names}
     return out
+
+
+def _resolve(target: str, mods: dict[str, Path]) -> str | None:
+    """The module a name from :func:`_imports` lives in: itself when it is a module, else its parent."""
+    for cand in (target, target.rsplit(".", 1)[0]):
+        if cand in mods:
+            return cand
+    return None
 
 
 def _modules(pkg: str) -> dict[str, Path]:
@@ -73,9 +73,11 @@ def _unit(module: str) -> str:
 def test_core_layers_import_only_downwards_and_never_langchain():
     rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
     bad = []
-    for name, path in _modules("cachegen_core").items():
+    mods = _modules("cachegen_core")
+    for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for target in _imports(path, package):
+            target = _resolve(target, mods) or target
             assert not target.startswith("langchain"), f"{name} imports {target}"
             if not target.startswith("cachegen_core.") or _unit(name) == _unit(target):
                 continue
@@ -92,11 +94,9 @@ def test_no_import_cycle_between_modules():
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for target in _imports(path, package):
-            # "from .x import y" names either the module x.y or the name y of x
-            for cand in (target, target.rsplit(".", 1)[0]):
-                if cand in mods and cand != name and not (path.name == "__init__.py" and cand.startswith(name + ".")):
-                    graph[name].add(cand)
-                    break
+            cand = _resolve(target, mods)
+            if cand is not None and cand != name and not (path.name == "__init__.py" and cand.startswith(name + ".")):
+                graph[name].add(cand)
     # a package __init__ re-exporting its own submodules is not a cycle; any other back edge is
     state: dict[str, int] = {}
 
@@ -118,6 +118,17 @@ def test_nothing_imports_tests():
     for pkg in ("cachegen_core", "langchain_cachegen", "benchmarks", "examples"):
         for name, path in _modules(pkg).items():
             assert not any(t == "tests" or t.startswith("tests.") for t in _imports(path, name)), name
+
+
+def test_the_core_top_level_holds_few_modules_beside_its_layer_packages():
+    top = sorted(p.stem for p in (ROOT / "cachegen_core").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+    units = {unit for layer in LAYERS for unit in layer}
+    packages = {p.name for p in (ROOT / "cachegen_core").iterdir() if (p / "__init__.py").exists()}
+    assert set(top) | packages <= units, "every top-level module and package has a layer"
+    for pkg in packages:  # each layer package says what lives there and what it may import
+        doc = ast.get_docstring(ast.parse((ROOT / "cachegen_core" / pkg / "__init__.py").read_text())) or ""
+        assert doc, f"cachegen_core/{pkg}/__init__.py has no docstring"
 
 
 def test_no_module_over_400_lines():

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachegen_core.chunks import DEFAULT_CHUNK_TOKENS, Chunk, blob_key, chunk_keys, num_complete_chunks
+from cachegen_core.keys.chunks import DEFAULT_CHUNK_TOKENS, Chunk, blob_key, chunk_keys, num_complete_chunks
 
 IDS = {"fingerprint": "fp", "codec_id": "codec", "profile_id": "prof"}
 
@@ -123,7 +123,7 @@ def test_rejects_bad_chunk_size():
 
 def test_linear_time(monkeypatch):
     """Every token is hashed once: the bytes fed to the hash grow linearly, not quadratically."""
-    import cachegen_core.chunks as chunks_mod
+    import cachegen_core.keys.chunks as chunks_mod
 
     fed = []
     real_blake2b = hashlib.blake2b

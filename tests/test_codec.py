@@ -3,18 +3,18 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cachegen_core.codec import KVCodec
+from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.coders import BackendUnavailable
 from cachegen_core.coders.native import NativeCoder
 from cachegen_core.coders.reference import ReferenceCoder
-from cachegen_core.config import CodecConfig
+from cachegen_core.codec.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError
-from cachegen_core.format import Limits, pack, read_header, unpack
+from cachegen_core.codec.format import Limits, pack, read_header, unpack
 from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache, KVShapeError
-from cachegen_core.pipeline import components, dequantise, quantise, synthesise
-from cachegen_core.profile import Profile
-from cachegen_core.transform import identity_transform
+from cachegen_core.codec.pipeline import components, dequantise, quantise, synthesise
+from cachegen_core.codec.profile import Profile
+from cachegen_core.codec.transform import identity_transform
 
 DATA = __import__("pathlib").Path(__file__).parent / "data"
 
@@ -157,7 +157,7 @@ def test_every_single_byte_corruption_is_a_format_error():
 def test_a_big_blobs_substreams_are_all_checked_when_hashed_in_two_threads(stream):
     """Past PARALLEL_HASH_BYTES the second half of the substreams is hashed by a helper thread: a flipped
     byte in any substream, either half, is reported with its index."""
-    from cachegen_core import format as fmt
+    from cachegen_core.codec import format as fmt
 
     rng = np.random.default_rng(stream)
     streams = [rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes() for _ in range(12)]
@@ -366,7 +366,7 @@ def test_payload_within_half_a_percent_of_entropy_on_chunk_shapes(shape):
 
 
 def test_rotary_spec_matches_transformers(tiny_llama):
-    from cachegen_core.rotary import RotarySpec
+    from cachegen_core.codec.rotary import RotarySpec
 
     spec = RotarySpec.from_model(tiny_llama)
     assert spec is not None and spec.head_dim == tiny_llama.config.hidden_size // tiny_llama.config.num_attention_heads
@@ -379,7 +379,7 @@ def test_rotary_spec_matches_transformers(tiny_llama):
 
 
 def test_rotary_spec_refuses_what_it_cannot_invert(tiny_llama, monkeypatch):
-    from cachegen_core.rotary import RotarySpec
+    from cachegen_core.codec.rotary import RotarySpec
 
     monkeypatch.setattr(tiny_llama.config, "model_type", "gpt_neox")
     assert RotarySpec.from_model(tiny_llama) is None
@@ -388,7 +388,7 @@ def test_rotary_spec_refuses_what_it_cannot_invert(tiny_llama, monkeypatch):
 def test_decoding_at_another_start_re_rotates_the_keys(tiny_llama):
     """decode(blob, start=s) equals the keys as if they sat at s, up to the quantisation error; layer 0's keys
     depend on the token and its position only, so the model itself says what they are at s."""
-    from cachegen_core.rotary import RotarySpec
+    from cachegen_core.codec.rotary import RotarySpec
 
     spec = RotarySpec.from_model(tiny_llama)
     codec = KVCodec(CodecConfig(sink_tokens=0), rotary=spec)
@@ -413,7 +413,7 @@ def test_decoding_at_another_start_re_rotates_the_keys(tiny_llama):
 
 
 def test_exact_sink_tokens_move_with_the_start(tiny_llama, tiny_kv):
-    from cachegen_core.rotary import RotarySpec
+    from cachegen_core.codec.rotary import RotarySpec
 
     spec = RotarySpec.from_model(tiny_llama)
     codec = KVCodec(rotary=spec)
@@ -425,9 +425,9 @@ def test_exact_sink_tokens_move_with_the_start(tiny_llama, tiny_kv):
 
 def test_fitted_transform_round_trip_and_profile_file(tiny_llama, tmp_path):
     """A profile with a Fisher-weighted transform and the rotary embedding: saved, loaded, decoded exactly."""
-    from cachegen_core.kvstats import kv_statistics
-    from cachegen_core.rotary import RotarySpec
-    from cachegen_core.transform import fit_transform
+    from cachegen_core.codec.kvstats import kv_statistics
+    from cachegen_core.codec.rotary import RotarySpec
+    from cachegen_core.codec.transform import fit_transform
 
     spec = RotarySpec.from_model(tiny_llama)
     torch.manual_seed(4)

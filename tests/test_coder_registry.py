@@ -66,7 +66,7 @@ def test_a_coder_without_a_decoder_for_the_device():
 
 
 def test_torchac_is_listed_only_when_installed(monkeypatch, fresh_registry, tiny_kv):
-    from cachegen_core.codec import KVCodec
+    from cachegen_core.codec.kvcodec import KVCodec
 
     blob = KVCodec(coder=ReferenceCoder()).encode(tiny_kv.slice(0, 20), 2)
     assert ReferenceCoder.name in coders.available_coders()
@@ -90,6 +90,6 @@ def test_no_coder_at_all_is_a_typed_error(monkeypatch, fresh_registry):
 
 
 def test_listing_coders_does_not_import_torchac():
-    code = "import sys; from cachegen_core import codec, coders; coders.available_coders(); print('torchac' in sys.modules)"
+    code = "import sys; from cachegen_core import coders; from cachegen_core.codec import kvcodec; coders.available_coders(); print('torchac' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

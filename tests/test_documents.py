@@ -7,13 +7,13 @@ import torch
 from langchain_core.documents import Document
 from langchain_core.messages import HumanMessage, SystemMessage
 
-from cachegen_core.chunks import blob_key
-from cachegen_core.codec import KVCodec
-from cachegen_core.config import CodecConfig
+from cachegen_core.keys.chunks import blob_key
+from cachegen_core.codec.kvcodec import KVCodec
+from cachegen_core.codec.config import CodecConfig
 from cachegen_core.engine import KVEngine
 from cachegen_core.engine.blend import BlendConfig
-from cachegen_core.manifest import Manifest, manifest_key
-from cachegen_core.segments import SegmentedPrompt
+from cachegen_core.keys.manifest import Manifest, manifest_key
+from cachegen_core.keys.segments import SegmentedPrompt
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import make_tiny_llama, words
 from langchain_cachegen import CacheGenLLM, ChatCacheGen, format_documents

@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from cachegen_core.chunks import blob_key
+from cachegen_core.keys.chunks import blob_key
 from cachegen_core.engine import KVEngine
 from cachegen_core.hfcompat import cache_arg
 from cachegen_core.stores.disk import DiskCacheStore

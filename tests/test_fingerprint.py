@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from cachegen_core.fingerprint import model_fingerprint, tokenizer_fingerprint
+from cachegen_core.keys.fingerprint import model_fingerprint, tokenizer_fingerprint
 
 
 def tiny_config(**over) -> LlamaConfig:

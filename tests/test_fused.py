@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from cachegen_core import fused
-from cachegen_core.codec import KVCodec
+from cachegen_core.codec import fused
+from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.coders import native_lib
-from cachegen_core.config import CodecConfig
+from cachegen_core.codec.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError, CoderError
-from cachegen_core.format import unpack
+from cachegen_core.codec.format import unpack
 from cachegen_core.kv import KVCache
-from cachegen_core.pipeline import magnitude_bound
-from cachegen_core.rotary import RotarySpec
-from cachegen_core.substreams import stream_layout
+from cachegen_core.codec.pipeline import magnitude_bound
+from cachegen_core.codec.rotary import RotarySpec
+from cachegen_core.codec.substreams import stream_layout
 
 pytestmark = pytest.mark.skipif(not native_lib.available(), reason="native coder library not built")
 
@@ -173,7 +173,7 @@ def test_a_fused_device_kernel_that_disagrees_once_is_replaced_by_the_torch_path
     assert not calls and fused.fuses_on(_FakeFusingDecoder(), 64, True)
     other = torch.device("cuda", 6)
     bad = KVCache(torch.ones(1, 1, 4, 2), torch.zeros(1, 1, 4, 2))
-    with caplog.at_level("WARNING", logger="cachegen_core.fused"):
+    with caplog.at_level("WARNING", logger="cachegen_core.codec.fused"):
         fused.verify_once(other, bad, lambda: ref)
     assert torch.equal(bad.values, ref.values) and "disagrees" in caplog.text  # the reference is what the caller gets
     monkeypatch.setattr(_FakeFusingDecoder, "device", other)

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen_core import fused_encode
-from cachegen_core.codec import KVCodec
+from cachegen_core.codec import fused_encode
+from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.coders import native_lib
-from cachegen_core.config import CodecConfig
-from cachegen_core.fused_encode import quantise_chunk
+from cachegen_core.codec.config import CodecConfig
+from cachegen_core.codec.fused_encode import quantise_chunk
 from cachegen_core.kv import KVCache, KVShapeError
-from cachegen_core.profile import Profile
-from cachegen_core.quantize import ALPHABET
-from cachegen_core.rotary import RotarySpec
-from cachegen_core.transform import fit_transform, identity_transform
+from cachegen_core.codec.profile import Profile
+from cachegen_core.codec.quantize import ALPHABET
+from cachegen_core.codec.rotary import RotarySpec
+from cachegen_core.codec.transform import fit_transform, identity_transform
 
 pytestmark = [
     pytest.mark.skipif(not native_lib.available(), reason="native coder library not built"),

@@ -6,7 +6,7 @@ import pytest
 from langchain_core.stores import ByteStore, InMemoryByteStore
 from langchain_tests.integration_tests.base_store import BaseStoreAsyncTests, BaseStoreSyncTests
 
-from cachegen_core.chunks import blob_key, chunk_keys
+from cachegen_core.keys.chunks import blob_key, chunk_keys
 from cachegen_core.errors import StoreError
 from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore
 from langchain_cachegen.stores import ByteStoreKVStore, KVByteStore

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from cachegen_core.codec import MAX_ELEMENTS_PER_BYTE, KVCodec
+from cachegen_core.codec.kvcodec import MAX_ELEMENTS_PER_BYTE, KVCodec
 from cachegen_core.engine import KVEngine
 from cachegen_core.errors import CacheGenFormatError
-from cachegen_core.format import read_header
-from cachegen_core.limits import BoundedKVCodec, DecodeLimits
+from cachegen_core.codec.format import read_header
+from cachegen_core.codec.limits import BoundedKVCodec, DecodeLimits
 from cachegen_core.stores import MemoryStore
 from cachegen_core.testing import words
 

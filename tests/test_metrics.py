@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachegen_core.engine import GenerationInfo, KVEngine
-from cachegen_core.metrics import MetricsRecorder, StoreMetrics, request_metrics
+from cachegen_core.ops.metrics import MetricsRecorder, StoreMetrics, request_metrics
 from cachegen_core.stores import MemoryStore, RedisStore
 from cachegen_core.stores.signed import SignedStore
 from cachegen_core.testing import free_port, words
@@ -71,19 +71,12 @@ def test_seconds_saved_is_reused_tokens_at_prefill_cost_less_fetch_and_decode():
 
 
 def test_the_recorder_is_thread_safe():
-    class FakeEngine:
-        chunk_tokens = 64
-        store = "S"
-
-        class cost_model:  # noqa: N801
-            prefill_s_per_token = 0.001
-
     rec = MetricsRecorder()
     info = GenerationInfo(prompt_tokens=100, cached_tokens=64, levels=[0], bytes_fetched=10, errors=["store failure: x"])
 
     def feed():
         for _ in range(500):
-            rec.record(info, FakeEngine)  # type: ignore[arg-type]
+            rec.record(info, store="'S'", chunk_tokens=64, prefill_s_per_token=0.001)
 
     threads = [threading.Thread(target=feed) for _ in range(8)]
     for t in threads:
@@ -124,7 +117,7 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
 
 
 def test_prometheus_exporter_text_and_http(engine):
-    from cachegen_core.metrics import PrometheusExporter
+    from cachegen_core.ops.prometheus import PrometheusExporter
 
     prompt = words(24, 2 * CHUNK + 3)
     engine.generate(prompt, max_new_tokens=2)
@@ -158,9 +151,8 @@ def test_the_exporter_without_prometheus_client_names_the_extra():
     code = """
         import sys
         sys.modules["prometheus_client"] = None
-        import cachegen_core.metrics as m
         try:
-            m.PrometheusExporter
+            import cachegen_core.ops.prometheus
         except ImportError as e:
             print(e)
     """

@@ -20,16 +20,16 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from cachegen_core import coders
-from cachegen_core.codec import KVCodec
+from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.coders import default_coder, get_coder, get_decoder
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, ideal_bits_per_stream
 from cachegen_core.coders.native import NativeCoder
 from cachegen_core.coders.native_lib import CSRC, cpu_library, load_error
 from cachegen_core.coders.reference import ReferenceCoder
-from cachegen_core.config import CodecConfig
+from cachegen_core.codec.config import CodecConfig
 from cachegen_core.errors import CoderError
 from cachegen_core.kv import KVCache
-from cachegen_core.profile import Profile
+from cachegen_core.codec.profile import Profile
 
 
 
@@ -361,8 +361,8 @@ def test_cuda_decode_equals_cpu_decode():
 @pytest.mark.skipif(not _cuda_ready(), reason="needs a GPU and nvcc")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_fused_cuda_kernel_writes_the_cpu_decoders_kv_bit_exact(dtype, monkeypatch):
-    from cachegen_core import fused
-    from cachegen_core.rotary import RotarySpec
+    from cachegen_core.codec import fused
+    from cachegen_core.codec.rotary import RotarySpec
 
     monkeypatch.setattr(fused, "_VERIFIED", set())
     monkeypatch.setattr(fused, "_UNFUSED", set())

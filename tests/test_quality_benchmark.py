@@ -7,11 +7,11 @@ import torch
 from benchmarks import baselines
 from benchmarks.quality_size import evaluate, names_topic, summarise
 from cachegen_core.cli import main as cli
-from cachegen_core.codec import KVCodec
-from cachegen_core.config import CodecConfig
+from cachegen_core.codec.kvcodec import KVCodec
+from cachegen_core.codec.config import CodecConfig
 from cachegen_core.kv import KVCache
-from cachegen_core.pipeline import components, dequantise, quantise, synthesise
-from cachegen_core.profile import Profile
+from cachegen_core.codec.pipeline import components, dequantise, quantise, synthesise
+from cachegen_core.codec.profile import Profile
 from cachegen_core.testing import words
 
 

@@ -2,8 +2,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from cachegen_core.config import CodecConfig
-from cachegen_core.quantize import RADIUS, bf16_round, dequantize, quantize, steps
+from cachegen_core.codec.config import CodecConfig
+from cachegen_core.codec.quantize import RADIUS, bf16_round, dequantize, quantize, steps
 
 
 def _check_bound(c, base, cap=0.0):

@@ -4,11 +4,11 @@ exactness promise (``level="lossless"`` answers exactly as without a cache)."""
 import pytest
 import torch
 
-from cachegen_core.chunks import blob_key
+from cachegen_core.keys.chunks import blob_key
 from cachegen_core.engine import KVEngine
 from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.kv import KVCache
-from cachegen_core.raw import RawCodec, raw_dtype
+from cachegen_core.codec.raw import RawCodec, raw_dtype
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import make_tiny_llama, words
 
@@ -103,7 +103,7 @@ def test_the_next_request_finds_the_raw_form_before_the_levels_are_written(tiny_
     gate.set()
     assert info.cached_tokens == 4 * CHUNK and set(info.levels) <= {"raw", "text"}
     assert e.flush(timeout=60) and e.store_stats["failed"] == 0
-    from cachegen_core.manifest import Manifest, manifest_key
+    from cachegen_core.keys.manifest import Manifest, manifest_key
 
     for c in e.chunks(prompt):  # and afterwards every chunk is complete: raw form and levels
         assert Manifest.from_bytes(e.store.get(manifest_key(c.key))).options == ["raw", 1]
@@ -149,7 +149,7 @@ def test_manifests_from_the_store_parse_or_are_typed_errors():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from cachegen_core.manifest import Manifest
+    from cachegen_core.keys.manifest import Manifest
 
     json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6)),
                                lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=6), v, max_size=3), max_leaves=10)

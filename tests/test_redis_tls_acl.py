@@ -11,7 +11,7 @@ import pytest
 
 from cachegen_core.engine import KVEngine
 from cachegen_core.errors import StoreError
-from cachegen_core.settings import load
+from cachegen_core.ops.settings import load
 from cachegen_core.stores import RedisStore
 from cachegen_core.stores.signed import SignedStore
 from cachegen_core.stores.url import open_store

@@ -67,7 +67,7 @@ def test_corrupted_and_forged_blobs_are_recomputed(bench):
 
 
 def test_forged_blob_of_wrong_shape_is_rejected_by_get_kv(bench):
-    from cachegen_core.chunks import blob_key
+    from cachegen_core.keys.chunks import blob_key
     from cachegen_core.errors import CacheGenFormatError
     from cachegen_core.kv import KVCache
 

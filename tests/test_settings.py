@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cachegen_core.engine import KVEngine
-from cachegen_core.limits import BoundedKVCodec, DecodeLimits
-from cachegen_core.settings import CacheGenSettings, engine_options, resolve_store
+from cachegen_core.codec.limits import BoundedKVCodec, DecodeLimits
+from cachegen_core.ops.settings import CacheGenSettings, engine_options, resolve_store
 from cachegen_core.stores import DiskCacheStore, MemoryStore
 from cachegen_core.stores.signed import SignedStore
 from cachegen_core.stores.url import describe, open_store

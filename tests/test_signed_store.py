@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-from cachegen_core.chunks import blob_key
+from cachegen_core.keys.chunks import blob_key
 from cachegen_core.engine import KVEngine
 from cachegen_core.kv import KVCache
-from cachegen_core.manifest import Manifest, manifest_key
+from cachegen_core.keys.manifest import Manifest, manifest_key
 from cachegen_core.stores import MemoryStore, RedisStore
 from cachegen_core.stores.signed import OVERHEAD, SignedStore, sign, unwrap
 from cachegen_core.testing import words

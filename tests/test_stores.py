@@ -18,7 +18,7 @@ import diskcache
 import pytest
 from langchain_core.stores import InMemoryByteStore
 
-from cachegen_core.chunks import blob_key
+from cachegen_core.keys.chunks import blob_key
 from cachegen_core.errors import CacheGenError, StoreError
 from cachegen_core.stores import DiskCacheStore, KVStore, MemoryStore, RedisStore, default_directory
 from langchain_cachegen.stores import ByteStoreKVStore

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from cachegen_core.chunks import blob_key
+from cachegen_core.keys.chunks import blob_key
 from cachegen_core.engine import ChunkWriter, KVEngine
 from cachegen_core.errors import CacheGenFormatError
-from cachegen_core.manifest import Manifest, manifest_key
+from cachegen_core.keys.manifest import Manifest, manifest_key
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import words
 

@@ -1,6 +1,6 @@
 """Document caches: each document's KV computed once on its own, stored under its content, reused anywhere.
 
-A prompt's documents (the spans of a :class:`~cachegen_core.segments.SegmentedPrompt`) that lie
+A prompt's documents (the spans of a :class:`~cachegen_core.keys.segments.SegmentedPrompt`) that lie
 after its reused prefix are looked up by content (``segments.document_pieces``: one store
 request for every piece of every document of a batch), streamed into the prompt's buffer (a
 piece shared by prompts of a batch once), their keys moved to where they landed
@@ -18,19 +18,20 @@ frequencies depend on the sequence length) treat documents as plain text; the re
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..chunks import Chunk
+from ..keys.chunks import Chunk
 from ..errors import BlobMissing, CacheGenError, CacheGenFormatError, StoreError
 from ..kv import KVCache
-from ..manifest import Manifest, manifest_key
-from ..segments import document_pieces
+from ..keys.manifest import Manifest, manifest_key
+from ..keys.segments import document_pieces
 from ..streaming import TEXT, Controller, Option, StreamFailure
 from . import hf
 from .blend import BlendConfig, blend, blend_support, budget, last_document_first, question_attention
@@ -39,9 +40,29 @@ from .reader import report
 from .rope import Rope, shift_keys
 
 if TYPE_CHECKING:
-    from .engine import KVEngine
+    from ..codec.kvcodec import KVCodec
+    from ..streaming import Estimator
+    from .reader import ChunkReader
+    from .writer import ChunkWriter
 
 log = logging.getLogger("cachegen_core.engine")
+
+
+class Host(Protocol):
+    """What the document step reads of the engine that owns it (a ``KVEngine``), at each use."""
+
+    model: Any
+    tokenizer: Any
+    fingerprint: str
+    codec: KVCodec
+    chunk_tokens: int
+    level: Option
+    estimator: Estimator
+    reader: ChunkReader
+    writer: ChunkWriter
+    _lock: threading.Lock  # one model call at a time
+
+    def _prefill(self, ids: list[int], buffer: KVCache, start: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -75,7 +96,7 @@ class _Piece:
 class DocumentCaches:
     """The document step of an engine (see module doc)."""
 
-    def __init__(self, engine: KVEngine, config: BlendConfig) -> None:
+    def __init__(self, engine: Host, config: BlendConfig) -> None:
         self.engine = weakref.proxy(engine)  # owned by the engine: no cycle keeping a dropped engine's buffers alive
         self.config = config
         support = blend_support(engine.model)

@@ -14,33 +14,30 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..chunks import Chunk, chunk_keys, partial_chunks, token_array
-from ..codec import KVCodec
-from ..config import CodecConfig
+from ..keys.chunks import Chunk, chunk_keys, partial_chunks, token_array
+from ..codec.kvcodec import KVCodec
 from ..errors import CacheGenError, StoreError
-from ..fingerprint import model_fingerprint
+from ..keys.fingerprint import model_fingerprint
 from ..kv import KVCache
-from ..metrics import EngineMetrics, MetricsRecorder, engine_metrics
-from ..profile import Profile
-from ..progress import progress_bar
-from ..settings import engine_options, resolve_store
+from ..ops.metrics import EngineMetrics, MetricsRecorder, summarise
+from ..ops.progress import progress_bar
+from ..ops.settings import resolve_store
 from ..stores.base import KVStore
-from ..raw import RawCodec
-from ..segments import SegmentedPrompt, document_spans, tokenize_parts
+from ..codec.raw import RawCodec
+from ..keys.segments import SegmentedPrompt, document_spans, tokenize_parts
 from ..streaming import LOSSLESS, RAW, RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
 from .blend import BlendConfig
 from .buffers import BufferPool
-from .attention import use_gqa_attention
 from .cost import CostModel
 from .documents import DocumentCaches, Reused
 from .info import GenerationInfo
+from .loading import from_pretrained
 from .reader import ChunkReader, report
 from .writer import ChunkWriter
 
@@ -125,51 +122,7 @@ class KVEngine:
         self.partial_step = partial_step
         self.documents = DocumentCaches(self, blend) if blend is not None else None
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        path_or_model: str | Path | Any,
-        *,
-        tokenizer: Any = None,
-        store: KVStore | None = None,
-        profile: Profile | str | Path | None = "auto",
-        config: CodecConfig | None = None,
-        dtype: torch.dtype | str | None = None,
-        device: str | int | torch.device | None = None,
-        device_map: str | dict[str, Any] | None = None,
-        model_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> KVEngine:
-        """Load a model (local dir, ``.gguf`` file, a model id of the local Hugging Face cache, or the
-        bundled reference model's short name) and build an engine.
-
-        ``dtype``, ``device``, ``device_map`` and ``model_kwargs`` go to ``models.load_model`` (the
-        CPU by default). ``profile="auto"`` uses the profile stored beside the model in the user
-        cache when there is one for this codec configuration, else chunks carry their own tables.
-        ``CACHEGEN_*`` settings (``docs/configuration.md``) fill the arguments not given (or None);
-        ``decode_limits=DecodeLimits(...)`` tightens what a stored blob may make the decoder allocate.
-        """
-        if isinstance(path_or_model, (str, Path)):
-            from ..models import load_model  # noqa: PLC0415
-
-            device = "cpu" if device is None and device_map is None else device
-            model, tok = load_model(path_or_model, dtype=dtype, device=device, device_map=device_map, model_kwargs=model_kwargs)
-            use_gqa_attention(model)  # a model of our own: its grouped KV heads read in place (attention.py)
-            tokenizer = tokenizer or tok
-        else:
-            model = path_or_model
-            if tokenizer is None:
-                raise ValueError("pass tokenizer= with a model object")
-        fp = model_fingerprint(model, tokenizer)
-        kwargs, limits = engine_options(kwargs)  # CACHEGEN_* settings fill what is not given
-        config = config or CodecConfig()
-        if profile == "auto":
-            from ..profile import find_profile  # noqa: PLC0415
-
-            profile = find_profile(fp, config)
-        elif isinstance(profile, (str, Path)):
-            profile = Profile.load(profile)
-        return cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
+    from_pretrained = classmethod(from_pretrained)  # load a model (or take one) and build an engine: loading.py
 
     def _default_options(self, slo_s: float | None) -> list[Option]:
         """The exact 16-bit form and ``level``; with a deadline also the coarsest level, the one the
@@ -305,7 +258,8 @@ class KVEngine:
                 if self.documents is not None and r.missing:
                     self.documents.store(ids, r, info, seen)
                 info.total_s = time.perf_counter() - start
-                self.metrics_recorder.record(info, self, fetch_counted=i > 0)
+                self.metrics_recorder.record(info, store=repr(self.store), chunk_tokens=self.chunk_tokens,
+                                             prefill_s_per_token=self.cost_model.prefill_s_per_token, fetch_counted=i > 0)
                 out.append((text, info))
                 if not info.chunks_queued and not r.missing:  # nothing queued for the writer holds views of it
                     self.buffers.give(buffer)
@@ -390,8 +344,9 @@ class KVEngine:
         self.close()
 
     def metrics(self) -> EngineMetrics:
-        """What this engine's requests did so far: hits, tokens reused, bytes, seconds (``cachegen_core.metrics``)."""
-        return engine_metrics(self)
+        """What this engine's requests did so far: hits, tokens reused, bytes, seconds (``cachegen_core.ops.metrics``)."""
+        rejected = getattr(self.store, "rejected", 0)
+        return summarise(self.metrics_recorder.snapshot(), self.store_stats, rejected, self.cost_model.prefill_s_per_token)
 
     @property
     def store_stats(self) -> dict[str, int]:

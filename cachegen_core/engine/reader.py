@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from ..chunks import Chunk, blob_key
-from ..codec import Checked, KVCodec
+from ..keys.chunks import Chunk, blob_key
+from ..codec.kvcodec import Checked, KVCodec
 from ..errors import BackendUnavailable, BlobMissing, CacheGenFormatError, StoreError
 from ..kv import KVCache, KVShapeError
-from ..manifest import Manifest, manifest_key
-from ..raw import RawChecked, RawCodec
+from ..keys.manifest import Manifest, manifest_key
+from ..codec.raw import RawChecked, RawCodec
 from ..stores.base import KVStore
 from ..streaming import RAW_OPTIONS, TEXT, ChunkCost, ChunkRecord, Controller, Estimator, Option, StreamFailure, rank, stream_batch
 from .cost import CostModel

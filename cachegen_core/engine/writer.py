@@ -25,12 +25,12 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
-from ..chunks import Chunk, blob_key
-from ..codec import KVCodec
+from ..keys.chunks import Chunk, blob_key
+from ..codec.kvcodec import KVCodec
 from ..errors import CacheGenFormatError, StoreError
 from ..kv import KVCache
-from ..manifest import RAW_OPTIONS, Manifest, Option, manifest_key
-from ..raw import RawCodec
+from ..keys.manifest import RAW_OPTIONS, Manifest, Option, manifest_key
+from ..codec.raw import RawCodec
 from ..stores.base import KVStore
 from ..streaming import rank
 from .hot import HotTier

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CacheGenFormatError
-from ..format import read_header
+from ..codec.format import read_header
 from .base import KVStore
 from .signed import unwrap
 

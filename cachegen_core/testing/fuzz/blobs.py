@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from cachegen_core.format import _PREAMBLE, Limits, pack, unpack
+from cachegen_core.codec.format import _PREAMBLE, Limits, pack, unpack
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from cachegen_core.codec import KVCodec
+from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.errors import CacheGenFormatError
-from cachegen_core.format import unpack
+from cachegen_core.codec.format import unpack
 from cachegen_core.kv import KVCache
 
 from .blobs import header_of

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from cachegen_core.codec import KVCodec
+from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.errors import CacheGenFormatError
-from cachegen_core.profile import Profile
+from cachegen_core.codec.profile import Profile
 
 from .edits import json_get, json_paths, json_set, odd_value, raw_edit
 from .oracle import Result, run_one

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from cachegen_core.codec import KVCodec
+from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.coders import available_coders, get_coder
-from cachegen_core.config import CodecConfig
-from cachegen_core.format import Limits
+from cachegen_core.codec.config import CodecConfig
+from cachegen_core.codec.format import Limits
 from cachegen_core.kv import KVCache
-from cachegen_core.profile import Profile
+from cachegen_core.codec.profile import Profile
 
 
 FINGERPRINT = "fuzz-model"

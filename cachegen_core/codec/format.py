@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import xxhash
 
-from .errors import CacheGenFormatError
+from ..errors import CacheGenFormatError
 
 MAGIC = b"CGKV"
 VERSION = 2

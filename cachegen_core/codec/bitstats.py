@@ -6,8 +6,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .coders import StreamLayout, ideal_bits_per_stream
-from .coders.base import PRECISION
+from ..coders import StreamLayout, ideal_bits_per_stream
+from ..coders.base import PRECISION
 from .substreams import ChunkGeometry
 
 

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .codec import MAX_ELEMENTS_PER_BYTE, BlobHeader, KVCodec
-from .errors import CacheGenFormatError
+from .kvcodec import MAX_ELEMENTS_PER_BYTE, BlobHeader, KVCodec
+from ..errors import CacheGenFormatError
 from .format import Limits
 
 _DEFAULT_LIMITS = Limits()

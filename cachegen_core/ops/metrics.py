@@ -1,10 +1,12 @@
-"""What an engine's requests did, in aggregate: ``engine.metrics()`` and a Prometheus exporter.
+"""What an engine's requests did, in aggregate: what ``engine.metrics()`` returns.
 
-:class:`MetricsRecorder` is fed every finished request's ``GenerationInfo`` by the engine
-(thread-safe) and keeps running totals per store; :func:`engine_metrics` adds the
-background writer's counters and the values a signed store refused, as an immutable
-:class:`EngineMetrics`. :class:`PrometheusExporter` (extra ``metrics``:
-``pip install 'langchain-cachegen[metrics]'``) serves them in Prometheus' text format.
+:class:`MetricsRecorder` is fed every finished request's figures by the engine (thread-safe,
+with the store label, chunk size and prefill cost to count them with) and keeps running totals
+per store; :func:`summarise` adds the background writer's counters and the values a signed
+store refused, as an immutable :class:`EngineMetrics`. The engine is never imported here: a
+request is read through :class:`RequestFigures` (the engine's ``GenerationInfo`` is one) and an
+engine through :class:`MetricsSource`. ``prometheus.PrometheusExporter`` (extra ``metrics``)
+serves them in Prometheus' text format.
 
 Definitions (per request, summed): a *hit* reused at least one stored chunk; tokens
 *reused* came from the store as KV (chunks the controller sent as text count as
@@ -17,13 +19,27 @@ the model). ``generate_many`` reports the batch's fetch figures on each of its r
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Mapping
-
-if TYPE_CHECKING:
-    from .engine import GenerationInfo, KVEngine
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping, Protocol
 
 TEXT = "text"
+
+
+class RequestFigures(Protocol):
+    """What one finished request reports (the engine's ``GenerationInfo``)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    text_chunks: int
+    levels: Sequence[Any]
+    bytes_fetched: int
+    fetch_s: float
+    decode_s: float
+    ttft_s: float
+    total_s: float
+    new_tokens: int
+    errors: Sequence[str]
 
 
 @dataclass(frozen=True)
@@ -65,11 +81,16 @@ class StoreMetrics:
         return {**asdict(self), "hit_rate": self.hit_rate, "token_reuse_rate": self.token_reuse_rate}
 
 
-def request_metrics(info: GenerationInfo, chunk_tokens: int, prefill_s_per_token: float) -> StoreMetrics:
-    """One finished request as a ``StoreMetrics`` of one request."""
+def request_metrics(info: RequestFigures, chunk_tokens: int, prefill_s_per_token: float, *, fetch_counted: bool = False) -> StoreMetrics:
+    """One finished request as a ``StoreMetrics`` of one request.
+
+    ``fetch_counted``: the request's fetch figures are its batch's, already added with another
+    request of the batch (``generate_many`` streams shared chunks once): they count as zero.
+    """
     text_tokens = info.text_chunks * chunk_tokens
     reused = max(0, min(info.cached_tokens, info.prompt_tokens) - text_tokens)
-    spent = info.fetch_s + info.decode_s
+    fetched, fetch_s, decode_s = (0, 0.0, 0.0) if fetch_counted else (info.bytes_fetched, info.fetch_s, info.decode_s)
+    spent = fetch_s + decode_s
     return StoreMetrics(
         requests=1,
         hits=int(reused > 0),
@@ -78,9 +99,9 @@ def request_metrics(info: GenerationInfo, chunk_tokens: int, prefill_s_per_token
         tokens_recomputed=info.prompt_tokens - reused,
         chunks_reused=sum(1 for lv in info.levels if lv != TEXT),
         text_chunks=info.text_chunks,
-        bytes_fetched=info.bytes_fetched,
-        fetch_s=info.fetch_s,
-        decode_s=info.decode_s,
+        bytes_fetched=fetched,
+        fetch_s=fetch_s,
+        decode_s=decode_s,
         prefill_s=max(0.0, info.ttft_s - spent),
         ttft_s=info.ttft_s,
         total_s=info.total_s,
@@ -98,16 +119,11 @@ class MetricsRecorder:
         self._lock = threading.Lock()
         self._by_store: dict[str, StoreMetrics] = {}
 
-    def record(self, info: GenerationInfo, engine: KVEngine, *, fetch_counted: bool = False) -> None:
-        """Add a finished request of ``engine`` (its store, chunk size and prefill cost).
-
-        ``fetch_counted``: the request's fetch figures are its batch's, already added with
-        another request of the batch (``generate_many`` streams shared chunks once).
-        """
-        if fetch_counted:
-            info = replace(info, bytes_fetched=0, fetch_s=0.0, decode_s=0.0)
-        one = request_metrics(info, engine.chunk_tokens, engine.cost_model.prefill_s_per_token)
-        label = repr(engine.store)
+    def record(self, info: RequestFigures, *, store: str, chunk_tokens: int, prefill_s_per_token: float,
+               fetch_counted: bool = False) -> None:  # fmt: skip
+        """Add a finished request served from the store labelled ``store`` (see :func:`request_metrics`)."""
+        one = request_metrics(info, chunk_tokens, prefill_s_per_token, fetch_counted=fetch_counted)
+        label = store
         with self._lock:
             self._by_store[label] = self._by_store.get(label, StoreMetrics()) + one
 
@@ -146,19 +162,16 @@ class EngineMetrics:
         }
 
 
-def engine_metrics(engine: KVEngine) -> EngineMetrics:
-    """The metrics of ``engine`` now (see :class:`EngineMetrics`)."""
-    by_store = engine.metrics_recorder.snapshot()
+def summarise(by_store: Mapping[str, StoreMetrics], writes: Mapping[str, int], rejected_values: int,
+              prefill_s_per_token: float) -> EngineMetrics:  # fmt: skip
+    """An :class:`EngineMetrics` from the recorder's totals per store and the engine's other counters."""
     total = StoreMetrics()
     for m in by_store.values():
         total = total + m
-    rejected = getattr(engine.store, "rejected", 0)
-    return EngineMetrics(total, by_store, dict(engine.store_stats), int(rejected), engine.cost_model.prefill_s_per_token)
+    return EngineMetrics(total, dict(by_store), dict(writes), int(rejected_values), prefill_s_per_token)
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("PrometheusExporter", "PrometheusCollector"):
-        from . import prometheus  # noqa: PLC0415
+class MetricsSource(Protocol):
+    """Anything whose metrics can be read now (a ``KVEngine``), for the exporter."""
 
-        return getattr(prometheus, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def metrics(self) -> EngineMetrics: ...

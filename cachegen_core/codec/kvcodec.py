@@ -18,11 +18,11 @@ import torch
 
 from . import fused
 from .bitstats import encode_stats
-from .coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, default_coder, get_decoder
+from ..coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, default_coder, get_decoder
 from .config import CodecConfig
-from .errors import CacheGenFormatError, CoderError
+from ..errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
-from .kv import KVCache, KVShapeError, all_finite
+from ..kv import KVCache, KVShapeError, all_finite
 from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name, side_info
 from .fused_encode import quantise_chunk
 from .pipeline import exact_part, exact_tokens, magnitude_bound, synthesise_parts

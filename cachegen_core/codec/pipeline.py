@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv import KVCache
+from ..kv import KVCache
 from .quantize import chunk_mean, dequantize, quantize, steps
 from .rotary import RotarySpec
 from .transform import Transform

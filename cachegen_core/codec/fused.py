@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .coders import StreamLayout, native_lib
-from .coders.native_lib import CODER_NAME, cached_tables, describe, ptr
-from .errors import CacheGenFormatError, CoderError
-from .kv import KVCache, empty_tensor
+from ..coders import StreamLayout, native_lib
+from ..coders.native_lib import CODER_NAME, cached_tables, describe, ptr
+from ..errors import CacheGenFormatError, CoderError
+from ..kv import KVCache, empty_tensor
 from .quantize import OFFSET, RADIUS
 from .substreams import ChunkGeometry
 

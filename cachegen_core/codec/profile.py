@@ -22,11 +22,11 @@ from typing import Any, Iterable, Union
 import numpy as np
 import torch
 
-from .coders.base import TOTAL_FREQ, validate_freqs
+from ..coders.base import TOTAL_FREQ, validate_freqs
 from .config import CodecConfig
-from .errors import CacheGenFormatError, CoderError
-from .kv import KVCache
-from .paths import cache_dir
+from ..errors import CacheGenFormatError, CoderError
+from ..kv import KVCache
+from ..paths import cache_dir
 from .pipeline import components, quantise
 from .quantize import ALPHABET
 from .rotary import RotarySpec

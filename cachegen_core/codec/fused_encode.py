@@ -23,10 +23,10 @@ import platform
 import numpy as np
 import torch
 
-from .coders import native_lib
-from .coders.native_lib import ptr
-from .errors import CoderError
-from .kv import KVCache, KVShapeError, all_finite
+from ..coders import native_lib
+from ..coders.native_lib import ptr
+from ..errors import CoderError
+from ..kv import KVCache, KVShapeError, all_finite
 from .pipeline import Coded, components, exact_tokens, quantise
 from .quantize import ALPHABET
 from .rotary import RotarySpec

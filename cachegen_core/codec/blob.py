@@ -1,5 +1,5 @@
 """What a blob is once its header is read: the dataclasses ``KVCodec`` passes around, the header's
-bounds, and the conversions of its sections (split from ``codec.py``)."""
+bounds, and the conversions of its sections (split from ``kvcodec.py``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .coders import StreamLayout
+from ..coders import StreamLayout
 from .format import Container
 from .pipeline import Coded
-from .errors import CacheGenFormatError
+from ..errors import CacheGenFormatError
 from .quantize import ALPHABET, from_bf16_bits, to_bf16_bits
 from .substreams import ChunkGeometry, n_inline_tables
 

@@ -22,8 +22,8 @@ from typing import Any, Iterable
 
 import torch
 
-from .hfcompat import cache_arg, output_cache
-from .kv import KVCache
+from ..hfcompat import cache_arg, output_cache
+from ..kv import KVCache
 from .rotary import RotarySpec
 
 

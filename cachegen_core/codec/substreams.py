@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .coders import StreamLayout
+from ..coders import StreamLayout
 from .profile import TableLayout, counts_to_freqs
 from .quantize import ALPHABET
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from .errors import CacheGenFormatError
+from ..errors import CacheGenFormatError
 
 FORMAT = "cachegen-manifest-v1"
 MAX_MANIFEST_BYTES = 4096

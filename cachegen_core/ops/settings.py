@@ -16,8 +16,8 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .limits import DecodeLimits
-from .stores.base import DEFAULT_NAMESPACE, KVStore
+from ..codec.limits import DecodeLimits
+from ..stores.base import DEFAULT_NAMESPACE, KVStore
 
 #: Engine keyword arguments a setting can supply, and the setting that does.
 ENGINE_FIELDS = ("chunk_tokens", "level", "store_options", "slo_s", "progress")
@@ -84,7 +84,7 @@ class CacheGenSettings(BaseSettings):
 
     def open_store(self, **options: Any) -> KVStore:
         """The store ``store`` names (not signed: see :func:`resolve_store`)."""
-        from .stores.url import open_store  # noqa: PLC0415
+        from ..stores.url import open_store  # noqa: PLC0415
 
         return open_store(self.store, namespace=self.namespace, cache_dir=self.cache_dir, **options)
 
@@ -99,7 +99,7 @@ def resolve_store(store: KVStore | None, settings: CacheGenSettings | None = Non
 
     A store that is a ``SignedStore`` already is returned as it is.
     """
-    from .stores.signed import SignedStore  # noqa: PLC0415
+    from ..stores.signed import SignedStore  # noqa: PLC0415
 
     settings = settings or load()
     if store is None:

@@ -2,7 +2,7 @@
 
 ::
 
-    exporter = PrometheusExporter(engine)     # its own registry (or pass registry=REGISTRY)
+    exporter = PrometheusExporter(engine)     # a KVEngine (anything with .metrics()); its own registry (or registry=REGISTRY)
     exporter.serve(9464)                       # http://127.0.0.1:9464/metrics
     exporter.text()                            # the same page as a string
 
@@ -24,7 +24,7 @@ except ModuleNotFoundError as e:  # pragma: no cover - exercised by test_optiona
                       name=e.name) from e  # fmt: skip
 
 if TYPE_CHECKING:
-    from .engine import KVEngine
+    from .metrics import MetricsSource
 
 #: (name, StoreMetrics field, help) of the per-store counters.
 COUNTERS = [
@@ -48,7 +48,7 @@ COUNTERS = [
 class PrometheusCollector:
     """A prometheus-client collector reading ``engine.metrics()`` at every scrape; ``prefix`` starts every name."""
 
-    def __init__(self, engine: KVEngine, prefix: str = "cachegen") -> None:
+    def __init__(self, engine: MetricsSource, prefix: str = "cachegen") -> None:
         self.engine = engine
         self.prefix = prefix
 
@@ -83,7 +83,7 @@ class PrometheusCollector:
 class PrometheusExporter:
     """``engine``'s metrics in a registry (a new one unless ``registry`` is given), as text or over HTTP."""
 
-    def __init__(self, engine: KVEngine, *, registry: CollectorRegistry | None = None, prefix: str = "cachegen") -> None:
+    def __init__(self, engine: MetricsSource, *, registry: CollectorRegistry | None = None, prefix: str = "cachegen") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.collector = PrometheusCollector(engine, prefix)
         self.registry.register(self.collector)

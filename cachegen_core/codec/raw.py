@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CacheGenFormatError
+from ..errors import CacheGenFormatError
 from .format import Limits, pack, unpack
-from .kv import KVCache, KVShapeError
+from ..kv import KVCache, KVShapeError
 
 CODEC = "cachegen-raw"
 RAW, LOSSLESS = "raw", "lossless"

@@ -1,0 +1,66 @@
+"""Building an engine from a model's name or object: ``KVEngine.from_pretrained``.
+
+Loads the model when given a name (``models.load_model``: never a download) and gives it the
+engine's attention, fills the arguments not given from the ``CACHEGEN_*`` settings, finds the
+model's codec profile, and calls the engine class with the codec they make.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from ..codec.config import CodecConfig
+from ..codec.profile import Profile, find_profile
+from ..keys.fingerprint import model_fingerprint
+from ..models import load_model
+from ..ops.settings import engine_options
+from ..stores.base import KVStore
+from .attention import use_gqa_attention
+
+E = TypeVar("E")
+
+
+def from_pretrained(
+    cls: type[E],
+    path_or_model: str | Path | Any,
+    *,
+    tokenizer: Any = None,
+    store: KVStore | None = None,
+    profile: Profile | str | Path | None = "auto",
+    config: CodecConfig | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: str | int | torch.device | None = None,
+    device_map: str | dict[str, Any] | None = None,
+    model_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> E:
+    """Load a model (local dir, ``.gguf`` file, a model id of the local Hugging Face cache, or the
+    bundled reference model's short name) and build an engine.
+
+    ``dtype``, ``device``, ``device_map`` and ``model_kwargs`` go to ``models.load_model`` (the
+    CPU by default). ``profile="auto"`` uses the profile stored beside the model in the user
+    cache when there is one for this codec configuration, else chunks carry their own tables.
+    ``CACHEGEN_*`` settings (``docs/configuration.md``) fill the arguments not given (or None);
+    ``decode_limits=DecodeLimits(...)`` tightens what a stored blob may make the decoder allocate.
+    """
+    if isinstance(path_or_model, (str, Path)):
+        device = "cpu" if device is None and device_map is None else device
+        model, tok = load_model(path_or_model, dtype=dtype, device=device, device_map=device_map, model_kwargs=model_kwargs)
+        use_gqa_attention(model)  # a model of our own: its grouped KV heads read in place (attention.py)
+        tokenizer = tokenizer or tok
+    else:
+        model = path_or_model
+        if tokenizer is None:
+            raise ValueError("pass tokenizer= with a model object")
+    fp = model_fingerprint(model, tokenizer)
+    kwargs, limits = engine_options(kwargs)  # CACHEGEN_* settings fill what is not given
+    config = config or CodecConfig()
+    if profile == "auto":
+        profile = find_profile(fp, config)
+    elif isinstance(profile, (str, Path)):
+        profile = Profile.load(profile)
+    return cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
+
