@@ -4,6 +4,8 @@
 library loads; ``torchac`` (``reference.py``, an optional extra) is the slow oracle and
 the fallback. ``registry.py`` knows which coders, and which decoders per kind of device
 (CPU, CUDA), can run here.
+
+May import: ``errors`` and ``paths`` only (numpy, ctypes; torch where a decoder needs it).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@
 - :mod:`.attention`: SDPA attention reading grouped KV heads in place (for models the engine loads);
 - :mod:`.hf`: the transformers side (prefill, generation on a reused KV, stop strings, first-token time);
 - :mod:`.info`: :class:`GenerationInfo` (what one request did).
+
+May import: every layer below it (base, data, keys, coders, codec, stores, ops, streaming); nothing
+in the core imports the engine but the entry points (``cli``, the package root) and ``testing``.
 """
 
 from .cost import CostModel

@@ -6,6 +6,8 @@
 
 Importing this package needs no test tool (no pytest) and loads no other module of
 ``cachegen_core``; redis-py (the ``redis`` extra) is needed only to start a server.
+
+May import: anything of ``cachegen_core`` inside its functions (it sits above every layer); never ``tests/``.
 """
 
 from __future__ import annotations
