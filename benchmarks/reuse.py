@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     plain = []
     for ps in prompts:
         info = GenerationInfo()
-        plain_engine._generate_ids(ps[0], None, time.perf_counter(), info, gen)
+        plain_engine._generate_ids(ps[0], None, 0, time.perf_counter(), info, gen)
         plain.append(info.ttft_s)
     print(f"# plain model TTFT per context: {[round(t, 2) for t in plain]}", file=sys.stderr)
 
