@@ -1,16 +1,20 @@
 """The benchmarks' harness (``benchmarks/common.py``): rows on stdout and appended to ``--out`` after a meta row
-saying what produced them."""
+saying what produced them, and the same shared options in every benchmark's parser."""
 
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
+import pkgutil
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
+import benchmarks
 from benchmarks import common
 
 META_KEYS = {"row", "benchmark", "command", "date", "machine", "cores", "gpu", "torch", "transformers", "commit"}
@@ -47,3 +51,36 @@ def test_without_out_rows_are_only_printed(tmp_path, capsys):
     with common.Rows("reuse") as rows:
         rows.emit({"a": 1})
     assert capsys.readouterr().out == '{"a": 1}\n' and list(tmp_path.iterdir()) == []
+
+
+def benchmark_modules() -> dict[str, object]:
+    """Every module of ``benchmarks/`` with a ``main``: the runnable benchmarks."""
+    mods = {}
+    for info in pkgutil.walk_packages(benchmarks.__path__, "benchmarks."):
+        mod = importlib.import_module(info.name)
+        if callable(getattr(mod, "main", None)) and mod.main.__module__ == info.name:
+            mods[info.name] = mod
+    return mods
+
+
+BENCHMARKS = benchmark_modules()
+
+
+def test_the_runnable_benchmarks_are_found():
+    assert {"benchmarks.codec_micro", "benchmarks.warm_path", "benchmarks.robustness.__main__", "benchmarks.fuzz"} <= set(BENCHMARKS)
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_every_benchmark_parses_the_shared_options_the_same_way(name, tmp_path):
+    ap = BENCHMARKS[name].arguments()
+    base = ap.parse_args([])
+    assert base.quick is False and base.out is None
+    args = ap.parse_args(["--quick", "--out", str(tmp_path / "o.jsonl")])
+    assert args.quick is True and args.out == tmp_path / "o.jsonl"
+    if ap.get_default("data") is not None:  # the benchmarks that read transcripts
+        assert base.data == common.LONGCHAT
+        assert ap.parse_args(["--data", str(tmp_path / "d.jsonl")]).data == tmp_path / "d.jsonl"
+    if ap.get_default("model") is not None:
+        assert base.model == common.DEFAULT_MODEL and ap.parse_args(["--model", "m"]).model == "m"
+    if ap.get_default("device") is not None:
+        assert base.device == "cpu" and ap.parse_args(["--device", "cuda"]).device == "cuda"
