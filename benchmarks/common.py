@@ -11,6 +11,7 @@ e.g. the demo excerpt ``examples/data/longchat_demo.jsonl`` works too), ``--mode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -19,6 +20,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -172,6 +174,27 @@ def _commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+# ------------------------------------------------------------------ stores
+@contextlib.contextmanager
+def fresh_store(kind: str, redis_url: str | None = None, **redis_options: Any) -> Iterator[Any]:
+    """An empty store for one run, closed on exit: ``memory``; ``disk`` (diskcache in a temporary directory, removed
+    afterwards); ``redis`` or ``redis@<link>`` (a ``RedisStore`` at ``redis_url`` with ``redis_options``, or on a
+    throwaway redis-server on loopback when no URL is given)."""
+    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: PLC0415
+    from cachegen_core.testing import running_redis_server  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        if kind == "memory":
+            store: Any = MemoryStore()
+        elif kind == "disk":
+            store = DiskCacheStore(stack.enter_context(tempfile.TemporaryDirectory(prefix="cachegen-bench-")))
+        elif kind.startswith("redis"):
+            store = RedisStore(redis_url or stack.enter_context(running_redis_server()).url, **redis_options)
+        else:
+            raise ValueError(f"unknown store {kind!r} (memory, disk, redis)")
+        yield stack.enter_context(store)
 
 
 # ------------------------------------------------------------------ model and timing

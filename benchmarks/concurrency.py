@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.common import Rows, parser, setup_threads, transcripts
+from benchmarks.common import Rows, fresh_store, parser, setup_threads, transcripts
 
 QUESTION = " USER: What was the first topic we discussed? ASSISTANT:"
 
@@ -155,21 +155,6 @@ def run(engine: Any, prompts: Sequence[Any], levels: Sequence[int], requests: in
     return rows
 
 
-def make_store(kind: str, stack: Any) -> Any:
-    import tempfile  # noqa: PLC0415
-
-    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: PLC0415
-    from cachegen_core.testing import running_redis_server  # noqa: PLC0415
-
-    if kind == "memory":
-        return MemoryStore()
-    if kind == "disk":
-        return DiskCacheStore(stack.enter_context(tempfile.TemporaryDirectory()))
-    if kind == "redis":
-        return RedisStore(stack.enter_context(running_redis_server()).url)
-    raise ValueError(kind)
-
-
 def arguments() -> argparse.ArgumentParser:
     ap = parser(__doc__, quick_help="2 contexts of 1536 tokens, 8 requests per level")
     ap.add_argument("--store", default="disk", choices=["disk", "memory", "redis"])
@@ -196,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     texts = transcripts(args.data)
     with ExitStack() as stack:
         out = stack.enter_context(Rows("concurrency", args.out, argv))
-        store = make_store(args.store, stack)
+        store = stack.enter_context(fresh_store(args.store))
         t = time.perf_counter()
         engine = KVEngine.from_pretrained(args.model, store=store, chunk_tokens=args.chunk_tokens, level=args.level,
                                           background=False, progress=False)  # fmt: skip

@@ -16,48 +16,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
 
-from benchmarks.common import HELD_OUT, Rows, load, parser, setup_threads, transcripts
-from cachegen_core.testing import running_redis_server
+from benchmarks.common import HELD_OUT, Rows, fresh_store, load, parser, setup_threads, transcripts
 
 QUESTIONS = [
     "What was the first topic we discussed?",
     "Which topics were about science or technology?",
     "Summarise the second topic in one sentence.",
 ]
-
-
-@contextmanager
-def redis_server() -> Iterator[str]:
-    """The URL of a throwaway redis-server on a free loopback port (stopped on exit)."""
-    with running_redis_server() as server:
-        yield server.url
-
-
-@contextmanager
-def make_store(kind: str) -> Iterator[Any]:
-    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: PLC0415
-
-    if kind == "memory":
-        yield MemoryStore()
-    elif kind == "disk":
-        with tempfile.TemporaryDirectory() as d:
-            store = DiskCacheStore(d)
-            yield store
-            store.close()
-    elif kind == "redis":
-        with redis_server() as url:
-            store = RedisStore(url)
-            yield store
-            store.close()
-    else:
-        raise ValueError(kind)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -105,7 +75,7 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
     print(f"# plain model TTFT per context: {[round(t, 2) for t in plain]}", file=sys.stderr)
 
     for kind in args.stores:
-        with make_store(kind) as store:
+        with fresh_store(kind) as store:
             engine = KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens)
             for run in ("cold", "warm"):
                 ttfts, cached, total, first = [], 0, 0, []

@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from benchmarks.common import HELD_OUT, TRACES, Rows, parser, read_jsonl, setup_threads, transcripts
-from benchmarks.reuse import redis_server
 from benchmarks.throttled_proxy import ThrottledProxy
 from benchmarks.ttft import Link, Workload, quality_of, simulate, summarise
 from cachegen_core.kv import KVCache
@@ -143,8 +142,10 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
     from cachegen_core.keys.chunks import blob_key  # noqa: PLC0415
     from cachegen_core.engine import KVEngine  # noqa: PLC0415
     from cachegen_core.stores import RedisStore  # noqa: PLC0415
+    from cachegen_core.testing import running_redis_server  # noqa: PLC0415
 
-    with redis_server() as url:
+    with running_redis_server() as server:
+        url = server.url
         direct = RedisStore(url, namespace="ttft-live")
         writer = KVEngine.from_pretrained(args.model, store=direct, chunk_tokens=args.chunk_tokens, background=False)
         tok = writer.tokenizer

@@ -45,17 +45,15 @@ import contextlib
 import gc
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from benchmarks.common import HELD_OUT, Rows, best_time, is_shaped, load, parser, setup_threads, transcripts
+from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, parser, setup_threads, transcripts
 from cachegen_core.keys.chunks import chunk_keys
 from cachegen_core.engine import KVEngine, hf
 from cachegen_core.engine.attention import use_gqa_attention
@@ -111,19 +109,10 @@ NAIVE: dict[str, tuple[Callable[[KVCache], bytes], Callable[[bytes, KVCache], No
 
 
 # ------------------------------------------------------------------ stores and links
-@contextlib.contextmanager
-def open_store(kind: str, redis_url: str | None) -> Iterator[Any]:
-    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: PLC0415
-
-    if kind == "memory":
-        yield MemoryStore()
-    elif kind == "disk":
-        with tempfile.TemporaryDirectory(prefix="cachegen-warm-") as d, DiskCacheStore(Path(d)) as s:
-            yield s
-    else:
-        assert redis_url is not None
-        with RedisStore(redis_url, socket_timeout=600.0, namespace=f"warm-{kind}:") as s:
-            yield s
+def open_store(kind: str, redis_url: str | None) -> contextlib.AbstractContextManager[Any]:
+    """An empty store of ``kind``; Redis kinds (the server itself or a shaped link to it) at ``redis_url``."""
+    assert redis_url is not None or not kind.startswith("redis")
+    return fresh_store(kind, redis_url, socket_timeout=600.0, namespace=f"warm-{kind}:")
 
 
 @contextlib.contextmanager
