@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
         args.turns, args.new_tokens = 4, 24
     setup_threads()
 
-    with Rows("chat_reuse", args.out, argv) as out, tempfile.TemporaryDirectory() as store_dir:  # the default disk store, in a throwaway directory
+    # the default disk store, in a throwaway directory
+    with Rows("chat_reuse", args.out, argv) as out, tempfile.TemporaryDirectory() as store_dir:
         run(args, store_dir, out)
 
 

@@ -6,9 +6,10 @@
 The structured fuzzer of ``cachegen_core.testing.fuzz`` runs until ``--inputs`` inputs or
 ``--seconds`` have passed; one JSON line per target (``container``, ``codec``,
 ``coder-<name>`` for every coder in ``available_coders()``) and a ``total`` line are
-printed (``--quick``: 2000 inputs). ``--atheris-seconds`` adds a coverage-guided atheris run of ``KVCodec.decode``
-(when atheris is installed) and ``--libfuzzer-seconds`` a libFuzzer + ASan/UBSan run of
-the native decoder (when clang is installed), each in a subprocess, each one more line.
+printed (``--quick``: 2000 inputs). ``--atheris-seconds`` adds a coverage-guided atheris run
+of ``KVCodec.decode`` (when atheris is installed) and ``--libfuzzer-seconds`` a libFuzzer +
+ASan/UBSan run of the native decoder (when clang is installed), each in a subprocess, each one
+more line.
 Findings (crash, hang, overalloc, wrong_kv_accepted) are written to ``--artifacts`` and
 make the exit status 1.
 """

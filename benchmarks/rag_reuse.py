@@ -41,8 +41,8 @@ QUESTION = "\n\nQuestion: how does the last record go on?\nAnswer:"
 
 
 def add_prompt_options(ap: argparse.ArgumentParser, prompts: int) -> None:
-    """The options that shape the prompts (documents, continuation; the model and data are shared by every
-    benchmark), shared with ``blend_ablation``."""
+    """The options that shape the prompts (documents, continuation), shared with ``blend_ablation``; ``--model``
+    and ``--data`` come with :func:`benchmarks.common.parser`."""
     ap.add_argument("--docs", type=int, default=6, help="documents per prompt")
     ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--pool", type=int, default=12, help="documents the prompts draw from")
