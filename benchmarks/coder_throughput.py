@@ -1,6 +1,6 @@
 """Entropy-coder throughput: native rANS (CPU threads, CUDA) against torchac, on real and 7B-shaped chunks.
 
-    python -m benchmarks.coder_throughput [--quick] [--no-real] [--no-7b] [--no-cuda] [--out FILE]
+    python -m benchmarks.coder_throughput [--quick] [--no-real] [--no-7b] [--no-cuda] [--out F]
         [--save-chunks DIR] [--npz FILE ...]
 
 One JSON line per (data, coder, operation, threads): ``coder``, ``op``, ``threads``,
@@ -31,11 +31,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from benchmarks.common import add_data_option, best_time, emit
+from benchmarks.common import Rows, best_time, parser
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, ideal_bits_per_stream
 from cachegen_core.codec.config import CodecConfig
 
@@ -79,14 +79,14 @@ def real_chunks(
 ) -> list[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
     """The reference model's chunk with its profile's tables and with per-chunk tables ([] if unavailable)."""
     try:
-        from benchmarks.common import LONGCHAT, context_kv, load, read_jsonl  # noqa: PLC0415
+        from benchmarks.common import LONGCHAT, context_kv, load, transcript_ids, transcripts  # noqa: PLC0415
         from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
         from cachegen_core.keys.fingerprint import model_fingerprint  # noqa: PLC0415
         from cachegen_core.codec.profile import find_profile  # noqa: PLC0415
 
         model, tok = load(model_name)
         fp = model_fingerprint(model, tok)
-        ids = next(i for i in (tok(t)["input_ids"] for t in read_jsonl(data or LONGCHAT, "prompt")) if len(i) >= tokens)[:tokens]
+        ids = next(transcript_ids(tok, transcripts(data or LONGCHAT), tokens))
         kv = context_kv(model, ids)
     except Exception as e:  # no model, no data: the synthetic chunk still runs
         print(f"# real chunk skipped: {type(e).__name__}: {e}", file=sys.stderr)
@@ -113,7 +113,7 @@ def load_chunk(path: str) -> tuple[str, np.ndarray, StreamLayout, np.ndarray]:
 
 
 def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, *, reps: int, torchac_symbols: int,
-            cuda: bool, out: TextIO | None, cpu_threads: list[int]) -> None:  # fmt: skip
+            cuda: bool, out: Rows, cpu_threads: list[int]) -> None:  # fmt: skip
     """Time every coder on one chunk and print its JSON lines."""
     from cachegen_core.coders.native import NativeCoder  # noqa: PLC0415
     from cachegen_core.coders.native_lib import available  # noqa: PLC0415
@@ -123,16 +123,16 @@ def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndar
     sub = subset(layout, torchac_symbols) if torchac_symbols else layout
     ref = torchac_lines(symbols[: sub.n_symbols], sub, freqs, reps) if torchac_symbols else []
     for r in ref:
-        emit({**base, **r}, out)
+        out.emit({**base, **r})
     if not available():
         print("# native coder not built: no native lines", file=sys.stderr)
         return
     speed = {r["op"]: r["msym_per_s"] for r in ref}
 
     def line(coder: str, op: str, threads: int | None, seconds: float, bps: float, n: int = layout.n_symbols, **extra: Any) -> None:
-        emit({**base, "coder": coder, "op": op, "threads": threads, "symbols": n, "seconds": round(seconds, 5),
-              "msym_per_s": round(n / seconds / 1e6, 1), "bits_per_symbol": round(bps, 4),
-              "entropy_bits_per_symbol": round(entropy, 4), **extra}, out)  # fmt: skip
+        out.emit({**base, "coder": coder, "op": op, "threads": threads, "symbols": n, "seconds": round(seconds, 5),
+                  "msym_per_s": round(n / seconds / 1e6, 1), "bits_per_symbol": round(bps, 4),
+                  "entropy_bits_per_symbol": round(entropy, 4), **extra})  # fmt: skip
 
     payloads: list[bytes] = NativeCoder().encode(symbols, layout, freqs) if not cpu_threads else []
     for threads in cpu_threads:
@@ -219,11 +219,8 @@ def chunks(args: argparse.Namespace) -> Iterator[tuple[str, np.ndarray, StreamLa
         yield from real_chunks(args.model, args.level, args.tokens, args.data)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="7B chunk of 480 tokens, fewer repetitions (< 2 minutes)")
-    ap.add_argument("--model", default="smollm2-135m")
-    add_data_option(ap)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="7B chunk of 480 tokens, fewer repetitions (< 2 minutes)")
     ap.add_argument("--level", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=1536)
     ap.add_argument("--no-real", action="store_true", help="skip the reference model's chunk")
@@ -233,28 +230,27 @@ def main(argv: list[str] | None = None) -> None:
                     help="torchac (and native, for the comparison) on the leading substreams holding this many symbols")  # fmt: skip
     ap.add_argument("--no-cuda", action="store_true")
     ap.add_argument("--cpu-threads", default=None, help="comma-separated CPU thread counts (default 1,2,all; '' for none)")
-    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--save-chunks", default=None, metavar="DIR", help="also save every chunk's coder inputs here")
     ap.add_argument("--npz", nargs="+", default=[], metavar="FILE", help="measure saved chunks instead of making them")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
     reps = 2 if args.quick else 5
     torchac_symbols = 0 if args.no_torchac else args.torchac_symbols or (300_000 if args.quick else 2_000_000)
-    out = open(args.out, "a") if args.out else None
     if args.cpu_threads is None:
         cpu_threads = sorted({1, 2, os.cpu_count() or 1})
     else:
         cpu_threads = [int(t) for t in args.cpu_threads.split(",") if t.strip()]
-    opts = {"reps": reps, "torchac_symbols": torchac_symbols, "cuda": not args.no_cuda, "out": out, "cpu_threads": cpu_threads}
-    try:
+    with Rows("coder_throughput", args.out, argv) as out:
+        opts = {"reps": reps, "torchac_symbols": torchac_symbols, "cuda": not args.no_cuda, "out": out, "cpu_threads": cpu_threads}
         for name, sym, layout, freqs in chunks(args):
             if args.save_chunks:
                 save_chunk(args.save_chunks, name, sym, layout, freqs)
             measure(name, sym, layout, freqs, **opts)
             del sym, layout, freqs
             gc.collect()
-    finally:
-        if out:
-            out.close()
 
 
 if __name__ == "__main__":
