@@ -31,10 +31,11 @@ def _llama(rope: dict[str, Any] | None = None) -> Any:
     return LlamaForCausalLM(LlamaConfig(**_DECODER, **kw))
 
 
-def _qwen2() -> Any:
+def _qwen2(window: bool) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
 
-    return Qwen2ForCausalLM(Qwen2Config(**_DECODER, use_sliding_window=False, sliding_window=WINDOW))  # as Qwen2.5 ships
+    # a window set but off, as Qwen2.5 ships; or on from layer 1 (a global layer before a sliding one)
+    return Qwen2ForCausalLM(Qwen2Config(**_DECODER, use_sliding_window=window, sliding_window=WINDOW, max_window_layers=1))
 
 
 def _qwen3() -> Any:
@@ -111,7 +112,8 @@ FAMILIES: dict[str, Callable[[], Any]] = {
                                          "original_max_position_embeddings": 256}),  # fmt: skip
     "llama-rope-linear": lambda: _llama({"rope_type": "linear", "factor": 2.0}),
     "llama-rope-yarn": lambda: _llama({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
-    "qwen2": _qwen2,
+    "qwen2": lambda: _qwen2(False),
+    "qwen2-window": lambda: _qwen2(True),
     "qwen3": _qwen3,
     "mistral": lambda: _mistral(None),
     "mistral-4096": lambda: _mistral(4096),
