@@ -18,9 +18,10 @@ from cachegen_core.engine import KVEngine, UnsupportedModel
 from cachegen_core.engine.attention import use_gqa_attention
 from cachegen_core.engine.blend import BlendConfig, blend_support
 from cachegen_core.hfcompat import cache_arg, output_cache
-from cachegen_core.kv import KVCache
+from cachegen_core.kv import KVCache, KVShapeError
+from cachegen_core.kvstats import kv_statistics
 from cachegen_core.stores.memory import MemoryStore
-from cachegen_core.testing import make_tiny_tokenizer, words
+from cachegen_core.testing import make_tiny_kv, make_tiny_tokenizer, words
 from cachegen_core.testing.families import FAMILIES, WINDOW, make_family_model
 
 SERVED = [name for name in FAMILIES if name != "qwen3-next"]
@@ -155,3 +156,18 @@ def test_document_caches_are_blended_or_refused_with_a_reason(name, tok):
 def test_a_linear_attention_layer_is_refused_at_load(tok):
     with pytest.raises(UnsupportedModel, match="linear_attention"):
         KVEngine.from_pretrained(make_family_model("qwen3-next"), tokenizer=tok, store=MemoryStore())
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2-window"])
+def test_kv_outside_the_engine_keeps_every_token_of_a_sliding_layer(name):
+    """Profiles' statistics and ``make_tiny_kv`` take a model's KV past its window whole; a transformers cache
+    that dropped tokens is an error, never a shorter KV."""
+    model, tokens = _model(name), 2 * WINDOW
+    ids = torch.randint(3, 128, (tokens + 16,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        own = output_cache(model(torch.tensor([ids[:tokens]]), use_cache=True))  # transformers' cache: the window only
+    with pytest.raises(KVShapeError, match="sliding window"):
+        KVCache.from_dynamic_cache(own)
+    stats = kv_statistics(model, [ids], rotary=None, contexts=(tokens,), continuation=16, chunk_tokens=CHUNK, sink_tokens=1)
+    assert stats.covariance_tokens == stats.fisher_tokens == tokens - 1  # every token but the sink
+    assert make_tiny_kv(model, tokens).num_tokens == tokens
