@@ -171,3 +171,26 @@ def test_kv_outside_the_engine_keeps_every_token_of_a_sliding_layer(name):
     stats = kv_statistics(model, [ids], rotary=None, contexts=(tokens,), continuation=16, chunk_tokens=CHUNK, sink_tokens=1)
     assert stats.covariance_tokens == stats.fisher_tokens == tokens - 1  # every token but the sink
     assert make_tiny_kv(model, tokens).num_tokens == tokens
+
+
+def test_the_in_place_sliding_layer_reads_as_transformers_own():
+    """Update by update, the buffer's sliding layer hands attention the keys, values and mask sizes transformers'
+    ``DynamicSlidingWindowLayer`` does, and keeps every token (in the buffer, with no copy while it has room)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from cachegen_core.engine.hf import _InPlaceSlidingLayer
+
+    window, g = 8, torch.Generator().manual_seed(0)
+    steps = [torch.randn(1, 2, n, 4, generator=g) for n in (5, 1, 3, 6, 1, 1, 9, 2)]  # runs past the window and out of room
+    buf = torch.empty(1, 2, 20, 4)
+    buf[:, :, :5] = steps[0]
+    mine, theirs = _InPlaceSlidingLayer(buf, buf.clone(), 5, window), DynamicSlidingWindowLayer(window)
+    theirs.update(steps[0], steps[0].clone())
+    for new in steps[1:]:
+        q = new.shape[-2]
+        assert mine.get_mask_sizes(q) == theirs.get_mask_sizes(q) == mine.get_mask_sizes(torch.arange(q) + mine.get_seq_length())
+        assert mine.get_seq_length() == theirs.get_seq_length()
+        k, v = mine.update(new, new.clone())
+        k_ref, v_ref = theirs.update(new, new.clone())
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # the same tensors, sliced differently
+    assert torch.equal(mine.keys, torch.cat(steps, dim=-2)) and mine._kbuf is None  # 28 tokens: past the buffer's 20

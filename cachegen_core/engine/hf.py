@@ -85,9 +85,11 @@ class _InPlaceSlidingLayer(_InPlaceLayer):
         first = max(0, keys.shape[-2] - key_states.shape[-2] - self.sliding_window + 1)
         return keys[:, :, first:], values[:, :, first:]
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, queries: int | torch.Tensor) -> tuple[int, int]:
+        """(kv_length, kv_offset) for ``queries`` new tokens (transformers before 5 passes their cache positions)."""
+        q = queries.shape[0] if isinstance(queries, torch.Tensor) else queries
         seen = self.get_seq_length()
-        return min(seen, self.sliding_window - 1) + query_length, max(seen - self.sliding_window + 1, 0)
+        return min(seen, self.sliding_window - 1) + q, max(seen - self.sliding_window + 1, 0)
 
     def get_max_length(self) -> int:
         return self.sliding_window
@@ -103,9 +105,11 @@ def cache_layers(model: Any) -> list[int | None]:
 
     Raises :class:`UnsupportedModel`, naming the layer type, for any other layer transformers would build.
     """
-    layers = DynamicCache(config=model.config).layers
+    layers, n = DynamicCache(config=model.config).layers, kv_geometry(model.config)[0]
     if not layers:  # no config layer types: transformers builds full-attention layers as they come
-        return [None] * kv_geometry(model.config)[0]
+        return [None] * n
+    if len(layers) != n:
+        raise UnsupportedModel(f"{type(model).__name__}: {n} layers but {len(layers)} KV cache layers (layers sharing their KV)")
     windows: list[int | None] = []
     for i, layer in enumerate(layers):
         if type(layer) is DynamicLayer:
@@ -147,8 +151,6 @@ def model_cache(model: Any, kv: KVCache | None, filled: int | None = None) -> An
     if (layers, heads) != (n, want):
         raise KVShapeError(f"model has {n} layers and {want} KV heads, the KV cache {layers} and {heads}")
     windows = cache_layers(model)
-    if len(windows) != layers:
-        raise KVShapeError(f"the model's cache has {len(windows)} layers, the KV cache {layers}")
     cache = DynamicCache(config=model.config)
     cache.layers = [
         _InPlaceLayer(kv.keys[i : i + 1], kv.values[i : i + 1], filled) if w is None
