@@ -21,8 +21,8 @@ from cachegen_core.hfcompat import cache_arg, output_cache
 from cachegen_core.kv import KVCache, KVShapeError
 from cachegen_core.kvstats import kv_statistics
 from cachegen_core.stores.memory import MemoryStore
-from cachegen_core.testing import make_tiny_kv, make_tiny_tokenizer, words
-from cachegen_core.testing.families import FAMILIES, WINDOW, make_family_model
+from cachegen_core.testing import FAMILIES, make_family_model, make_tiny_kv, make_tiny_tokenizer, words
+from cachegen_core.testing.families import WINDOW
 
 SERVED = [name for name in FAMILIES if name != "qwen3-next"]
 #: Families whose document caches are blended (CacheBlend); the others get documents as text, for this reason.
