@@ -28,7 +28,7 @@ SERVED = [name for name in FAMILIES if name != "qwen3-next"]
 #: Families whose document caches are blended (CacheBlend); the others get documents as text, for this reason.
 BLENDED = {"llama", "llama-rope-llama3", "llama-rope-linear", "llama-rope-yarn", "qwen2", "mistral"}
 NO_BLEND = {name: "sliding-window attention is not supported" for name in ("mistral-4096", "mistral-window", "qwen2-window")}
-#: Families (with grouped KV heads on SDPA) also run on the engine's own attention: every sliding window, and Llama.
+#: Families also run on the engine's own attention (grouped KV heads on SDPA): Llama and every such sliding-window one.
 ATTENTION = ["llama", "qwen2-window", "mistral-4096", "mistral-window", "phi3-window", "gemma3-text-window"]
 CHUNK, STEP = 32, 8  # chunk ends 32 < WINDOW (48) < 64, 96
 NEW = 8
