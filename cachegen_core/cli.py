@@ -70,9 +70,11 @@ def _profile(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
+    from transformers import DynamicCache  # noqa: PLC0415
+
     from .codec.config import CodecConfig  # noqa: PLC0415
+    from .hfcompat import cache_arg, output_cache  # noqa: PLC0415
     from .keys.fingerprint import model_fingerprint  # noqa: PLC0415
-    from .hfcompat import output_cache  # noqa: PLC0415
     from .kv import KVCache  # noqa: PLC0415
     from .codec.kvstats import kv_statistics  # noqa: PLC0415
     from .models import load_model  # noqa: PLC0415
@@ -111,8 +113,8 @@ def _profile(args: argparse.Namespace) -> int:
 
     def caches():
         for x in tqdm(ids, desc="tables", unit="text", file=sys.stderr):
-            with torch.no_grad():
-                out = model(torch.tensor([x]), use_cache=True)
+            with torch.no_grad():  # plain cache layers: every token, sliding-window models too
+                out = model(torch.tensor([x]), use_cache=True, **cache_arg(model, DynamicCache()))
             yield KVCache.from_dynamic_cache(output_cache(out))
 
     profile = Profile.fit(

@@ -148,8 +148,16 @@ class KVCache:
 
     @classmethod
     def from_dynamic_cache(cls, cache: Any, batch_index: int = 0) -> "KVCache":
-        """Take sequence ``batch_index`` out of a transformers ``DynamicCache`` (or legacy tuple cache)."""
+        """Take sequence ``batch_index`` out of a transformers ``DynamicCache`` (or legacy tuple cache).
+
+        A sliding-window layer that dropped its oldest tokens (transformers' own, past its window) is a
+        ``KVShapeError``, never a shorter KV: pass the model a ``DynamicCache()`` built without its config.
+        """
         if hasattr(cache, "layers"):
+            for i, layer in enumerate(cache.layers):
+                if getattr(layer, "is_sliding", False) and layer.keys is not None and layer.get_seq_length() > layer.keys.shape[-2]:
+                    raise KVShapeError(f"cache layer {i} holds only the last {layer.keys.shape[-2]} of its "
+                                       f"{layer.get_seq_length()} tokens (a sliding window)")  # fmt: skip
             pairs = [(layer.keys, layer.values) for layer in cache.layers]
         else:  # legacy tuple of (key, value) per layer
             pairs = [(k, v) for k, v in cache]

@@ -222,8 +222,8 @@ def test_model_cache_appends_in_place_into_spare_capacity(tiny_llama, tiny_token
     text = tiny_tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
     assert text == plain_greedy(tiny_llama, tiny_tokenizer, words(3, 300), 20)
     assert cache.layers[0].keys.data_ptr() == buf.keys.data_ptr()  # still the caller's buffer
-    full = hf.prefill(tiny_llama, ids)
-    assert torch.equal(buf.keys[:, :, 256:300], full.keys[:, :, 256:300])  # the question's KV landed in place
+    question = hf.prefill(tiny_llama, ids[256:], past=prefix)  # the same forward as generate's first
+    assert torch.equal(buf.keys[:, :, 256:300], question.keys)  # the question's KV landed in place
     small = KVCache(buf.keys[:, :, :257].clone(), buf.values[:, :, :257].clone())
     cache = hf.model_cache(tiny_llama, small, 256)  # one spare slot: later tokens fall back to concatenation
     with torch.no_grad():

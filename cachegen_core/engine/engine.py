@@ -107,7 +107,7 @@ class KVEngine:
         self.allow_text = allow_text
         self.estimator_name = estimator
         self.estimator = make_estimator(estimator)
-        self.kv_geometry = hf.kv_geometry(model.config)
+        self.kv_geometry = hf.supported_geometry(model)  # raises UnsupportedModel
         self.buffers = BufferPool(*self.kv_geometry, hf.model_dtype(model), model.device)  # prompts' KV, reused
         self.cost_model = CostModel(2 * self.kv_geometry[0] * self.kv_geometry[1] * self.kv_geometry[2])
         raw = RawCodec(self.fingerprint, limits=self.codec.limits, max_tokens=self.codec.max_tokens)
