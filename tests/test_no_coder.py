@@ -73,3 +73,21 @@ def test_a_codec_without_a_coder_refuses_levels_with_a_typed_error(monkeypatch, 
         codec.encode(tiny_kv, 1)
     with pytest.raises(BackendUnavailable, match="no entropy coder can run here"):
         KVCodec(device="cuda")
+
+
+def test_only_dropped_levels_are_warned_about_and_only_once(monkeypatch, caplog):
+    import threading
+
+    import torch
+
+    from cachegen_core.engine import options
+
+    monkeypatch.setattr("cachegen_core.codec.fastest_coder", lambda: None)
+    monkeypatch.setattr(options, "_warned", threading.Event())
+    codec = KVCodec()
+    with caplog.at_level("WARNING", logger="cachegen_core.engine"):
+        assert options.storable(["lossless"], codec, torch.bfloat16) == ["lossless"]  # nothing to give up: not said
+        assert not caplog.records
+        assert options.storable(["raw", 1, 3], codec, torch.float32) == ["raw"]
+        assert options.storable([1], codec, torch.float32) == ["raw"] and options.storable([1], codec, torch.float16) == ["lossless"]
+    assert len(caplog.records) == 1 and options.INSTALL_WHEEL in caplog.records[0].getMessage()

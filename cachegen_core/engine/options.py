@@ -41,8 +41,8 @@ def default_options(level: Option, codec: KVCodec, dtype: torch.dtype, slo_s: fl
 
 def storable(options: Sequence[Option], codec: KVCodec, dtype: torch.dtype) -> list[Option]:
     """``options`` when ``codec`` has an entropy coder; else their raw forms (the 16-bit form when they name
-    none), with one warning per process saying why and how to get compression back."""
-    if codec.coder is not None:
+    none), with one warning per process, when levels were dropped, saying why and how to get compression back."""
+    if codec.coder is not None or all(o in RAW_OPTIONS for o in options):
         return list(options)
     kept = [o for o in options if o in RAW_OPTIONS] or [exact16(dtype)]
     if not _warned.is_set():
