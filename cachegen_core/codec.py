@@ -178,6 +178,7 @@ class KVCodec:
         return pack(header, p.sections, payloads)
 
     def _coder(self) -> Coder:
+        """The entropy coder levels need; ``BackendUnavailable`` where none runs (raw forms need none)."""
         if self.coder is None:
             raise BackendUnavailable(f"no entropy coder can run here to code a level: {no_coder_reason()}")
         return self.coder
