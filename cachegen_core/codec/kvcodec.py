@@ -18,7 +18,7 @@ import torch
 
 from . import fused
 from .bitstats import encode_stats
-from ..coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, default_coder, get_decoder
+from ..coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, fastest_coder, get_decoder, no_coder_reason
 from .config import CodecConfig
 from ..errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
@@ -36,7 +36,8 @@ class KVCodec:
     """Encode and decode KV chunks; one instance per (model, codec configuration, profile).
 
     ``fingerprint`` (the model fingerprint) is written into every blob and, when set,
-    required of every blob decoded. ``coder`` defaults to the fastest available.
+    required of every blob decoded. ``coder`` defaults to the fastest available; where none can
+    run (no native library, no torchac) it is None and coding a level raises ``BackendUnavailable``.
     ``limits`` and ``max_tokens`` bound what a blob may make the decoder allocate.
     ``device`` (default the CPU) is where decoding runs and the decoded KV is returned:
     on ``cuda`` the substreams are decoded by the GPU decoder of the blob's coder and
@@ -71,7 +72,7 @@ class KVCodec:
             rotary = profile.rotary
         self.profile = profile
         self.rotary = rotary
-        self.coder = coder or default_coder()
+        self.coder: Coder | None = coder or fastest_coder()
         self.fingerprint = fingerprint
         self.limits = limits
         self.max_tokens = max_tokens
@@ -79,9 +80,9 @@ class KVCodec:
         self._transforms: dict[tuple[int, int, int], Transform] = {}
         if self.device.type != "cpu":  # fail now, not at the first blob
             try:
-                get_decoder(self.coder.name, self.device)
+                get_decoder(self._coder().name, self.device)
             except KeyError:
-                raise BackendUnavailable(f"coder {self.coder.name!r} is not registered: no {self.device.type} decoder") from None
+                raise BackendUnavailable(f"coder {self._coder().name!r} is not registered: no {self.device.type} decoder") from None
 
     @property
     def levels(self) -> list[int]:
@@ -124,7 +125,7 @@ class KVCodec:
         positions ``start ..``); tokens below ``config.sink_tokens`` are kept exactly.
         """
         p = self.prepare(kv, level, start=start)
-        return self._pack(p, self.coder.encode(p.symbols, p.layout, p.freqs))
+        return self._pack(p, self._coder().encode(p.symbols, p.layout, p.freqs))
 
     def prepare(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> Prepared:
         """Quantise ``kv`` and lay out its symbols for the coder (everything ``encode`` does but coding)."""
@@ -155,7 +156,7 @@ class KVCodec:
     def encode_with_stats(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> tuple[bytes, dict[str, Any]]:
         """``encode`` plus where the bits went: coded and ideal bits, by kind and layer third."""
         p = self.prepare(kv, level, start=start)
-        payloads = self.coder.encode(p.symbols, p.layout, p.freqs)
+        payloads = self._coder().encode(p.symbols, p.layout, p.freqs)
         blob = self._pack(p, payloads)
         return blob, encode_stats(len(blob), payloads, p.symbols, p.layout, p.freqs, p.geometry, p.sections)
 
@@ -166,7 +167,7 @@ class KVCodec:
             "codec_config": self.config.to_dict(),
             "profile_id": self.profile_id,
             "model_fingerprint": self.fingerprint,
-            "coder": self.coder.name,
+            "coder": self._coder().name,
             "level": p.level,
             "shape": p.shape,
             "dtype": p.dtype,
@@ -175,6 +176,12 @@ class KVCodec:
             "rotary": self.rotary.id if self.rotary is not None else None,
         }
         return pack(header, p.sections, payloads)
+
+    def _coder(self) -> Coder:
+        """The entropy coder levels need; ``BackendUnavailable`` where none runs (raw forms need none)."""
+        if self.coder is None:
+            raise BackendUnavailable(f"no entropy coder can run here to code a level: {no_coder_reason()}")
+        return self.coder
 
     def _check_kv(self, kv: KVCache) -> None:
         if kv.num_tokens < 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .base import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, ideal_bits_per_stream
 from .reference import ReferenceCoder
-from .registry import available_coders, decoder_devices, default_coder, get_coder, get_decoder
+from .registry import available_coders, decoder_devices, default_coder, fastest_coder, get_coder, get_decoder, no_coder_reason
 
 __all__ = [
     "BackendUnavailable",
@@ -23,7 +23,9 @@ __all__ = [
     "available_coders",
     "decoder_devices",
     "default_coder",
+    "fastest_coder",
     "get_coder",
     "get_decoder",
     "ideal_bits_per_stream",
+    "no_coder_reason",
 ]

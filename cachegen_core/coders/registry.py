@@ -44,15 +44,24 @@ def get_coder(name: str) -> Coder:
     return available_coders()[name]()
 
 
+def no_coder_reason() -> str:
+    """Why no entropy coder can run here: the native library's load error, and torchac missing."""
+    return f"{native_lib.load_error() or 'the native coder is unavailable'}; and torchac is not installed"
+
+
+def fastest_coder() -> Coder | None:
+    """The fastest coder available here, or None where none can run (a build without the native library and
+    no torchac: levels cannot be coded there, raw forms still can)."""
+    coders = available_coders()
+    return get_coder(next(iter(coders))) if coders else None
+
+
 def default_coder() -> Coder:
     """The fastest coder available here: native when its library loads, else torchac when installed."""
-    coders = available_coders()
-    if not coders:
-        raise BackendUnavailable(
-            f"no entropy coder can run here: {native_lib.load_error() or 'the native coder is unavailable'}; "
-            "and torchac is not installed (pip install langchain-cachegen[torchac])"
-        )
-    return get_coder(next(iter(coders)))
+    coder = fastest_coder()
+    if coder is None:
+        raise BackendUnavailable(f"no entropy coder can run here: {no_coder_reason()} (pip install langchain-cachegen[torchac])")
+    return coder
 
 
 def decoder_devices(name: str) -> tuple[str, ...]:

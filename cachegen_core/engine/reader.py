@@ -101,8 +101,8 @@ class ChunkReader:
         run; else on the CPU (then copied to it). Returns why not, or None when it is used."""
         from ..coders import get_decoder  # noqa: PLC0415
 
-        if device.type == "cpu":
-            self.decode_device = device
+        if device.type == "cpu" or self.codec.coder is None:  # no coder: no level is decoded anywhere
+            self.decode_device = torch.device("cpu")
             return None
         try:
             get_decoder(self.codec.coder.name, device)
