@@ -66,7 +66,7 @@ def test_a_codec_without_a_coder_refuses_levels_with_a_typed_error(monkeypatch, 
     from cachegen_core.coders import registry
 
     monkeypatch.setattr(registry, "fastest_coder", lambda: None)
-    monkeypatch.setattr("cachegen_core.codec.fastest_coder", lambda: None)
+    monkeypatch.setattr("cachegen_core.codec.kvcodec.fastest_coder", lambda: None)
     codec = KVCodec()
     assert codec.coder is None and codec.levels  # built: its ids and levels still key and describe chunks
     with pytest.raises(BackendUnavailable, match="no entropy coder can run here"):
@@ -82,7 +82,7 @@ def test_only_dropped_levels_are_warned_about_and_only_once(monkeypatch, caplog)
 
     from cachegen_core.engine import options
 
-    monkeypatch.setattr("cachegen_core.codec.fastest_coder", lambda: None)
+    monkeypatch.setattr("cachegen_core.codec.kvcodec.fastest_coder", lambda: None)
     monkeypatch.setattr(options, "_warned", threading.Event())
     codec = KVCodec()
     with caplog.at_level("WARNING", logger="cachegen_core.engine"):
