@@ -212,7 +212,7 @@ class ChunkWriter:
             return self._write_behind(chunk, kv, stages[0])
         manifest = self.write(chunk, kv, 0)
         if len(stages) == 1:
-            self._worker.written += 1
+            self._worker.count("written")
             return True
         return self._worker.submit(chunk, kv, 1, manifest)
 
