@@ -1,6 +1,6 @@
 """The GPU decoder (Triton kernels, ``coders/triton_decoder.py``) against the native CPU decoder: symbols and KV
 bit for bit at every level, with and without a profile; hostile payloads and blobs as typed errors, never a read
-or write outside the tensors a kernel is given.
+or write outside the tensors a kernel is given; an engine decoding its warm chunks with it, or saying why not.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1``) and that decoder stands in for the CUDA one in the registry; on a GPU they run there.
@@ -10,6 +10,7 @@ side (``CodecConfig(stream_symbols=...)``), and chunks of a few dozen tokens.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -22,11 +23,14 @@ from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.codec.profile import Profile
 from cachegen_core.codec.rotary import RotarySpec
 from cachegen_core.codec.transform import fit_transform
-from cachegen_core.coders import StreamLayout, registry
+from cachegen_core.coders import BackendUnavailable, StreamLayout, registry
 from cachegen_core.coders.native import NativeCoder
 from cachegen_core.coders.triton_decoder import TritonDecoder, interpreting, unavailable_reason
+from cachegen_core.engine import KVEngine
 from cachegen_core.errors import CacheGenFormatError, CoderError
 from cachegen_core.kv import KVCache
+from cachegen_core.stores.memory import MemoryStore
+from cachegen_core.testing import words
 from cachegen_core.testing.fuzz.blobs import repack, split
 from tests.test_native_coder import layout_of, sample, tables
 
@@ -270,3 +274,45 @@ def test_hostile_blobs_are_typed_errors_as_on_the_cpu(on_gpu, in_bounds, tiny_kv
             assert isinstance(verdicts[1], KVCache), verdicts
             assert torch.equal(verdicts[0].keys, verdicts[1].keys) and torch.equal(verdicts[0].values, verdicts[1].values)
     assert rejected >= 4  # the truncated and garbled substreams at least
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+
+def _engine(tiny_llama, tiny_tokenizer) -> KVEngine:
+    codec = KVCodec(CodecConfig(stream_symbols=4 * 192))  # substreams of 4 tokens of the tiny model
+    return KVEngine(tiny_llama, tiny_tokenizer, codec, MemoryStore(), chunk_tokens=32, level=1, store_options=[1],
+                    background=False, allow_text=False, partial_step=0)  # fmt: skip
+
+
+def test_a_warm_request_decodes_on_the_models_device_and_says_so(on_gpu, tiny_llama, tiny_tokenizer):
+    prompt = words(4, 70)
+    cpu = _engine(tiny_llama, tiny_tokenizer)
+    cpu.generate(prompt, max_new_tokens=6)
+    want, info = cpu.generate(prompt, max_new_tokens=6)
+    assert info.levels == [1, 1] and info.decode_device == "cpu"
+    engine = _engine(tiny_llama, tiny_tokenizer)
+    assert engine.reader.use_device(torch.device("cuda")) is None  # as for a model on a GPU
+    engine.store = cpu.store
+    text, info = engine.generate(prompt, max_new_tokens=6)
+    assert text == want and info.levels == [1, 1] and info.decode_device == "cuda" and not info.errors
+    assert str(on_gpu.device) in fused._VERIFIED
+
+
+def test_a_device_decoder_that_fails_falls_back_to_the_cpu_once_and_says_so(on_gpu, monkeypatch, caplog, tiny_llama, tiny_tokenizer):
+    prompt = words(5, 70)
+    engine = _engine(tiny_llama, tiny_tokenizer)
+    engine.generate(prompt, max_new_tokens=6)
+    want, _ = engine.generate(prompt, max_new_tokens=6)
+
+    def broken(*args, **kwargs):
+        raise BackendUnavailable("the kernel does not compile here")
+
+    monkeypatch.setattr(on_gpu, "decode_kv", broken)
+    assert engine.reader.use_device(torch.device("cuda")) is None
+    with caplog.at_level(logging.WARNING, logger="cachegen_core.engine"):
+        text, info = engine.generate(prompt, max_new_tokens=6)
+        again, info2 = engine.generate(prompt, max_new_tokens=6)
+    assert text == again == want and info.decode_device == info2.decode_device == "cpu"
+    assert any("does not compile" in e for e in info.errors) and not info2.errors
+    assert caplog.text.count("decoding on the CPU from now on") == 1
