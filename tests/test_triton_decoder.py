@@ -30,7 +30,7 @@ from cachegen_core.engine import KVEngine
 from cachegen_core.errors import CacheGenFormatError, CoderError
 from cachegen_core.kv import KVCache
 from cachegen_core.stores.memory import MemoryStore
-from cachegen_core.testing import words
+from cachegen_core.testing import make_tiny_llama, words
 from cachegen_core.testing.fuzz.blobs import repack, split
 from tests.test_native_coder import layout_of, sample, tables
 
@@ -285,30 +285,30 @@ def _engine(tiny_llama, tiny_tokenizer) -> KVEngine:
                     background=False, allow_text=False, partial_step=0)  # fmt: skip
 
 
-def test_a_warm_request_decodes_on_the_models_device_and_says_so(on_gpu, tiny_llama, tiny_tokenizer):
+def test_a_warm_request_decodes_on_the_models_device_and_says_so(on_gpu, tiny_tokenizer):
+    """On a GPU the model, its buffers and the decode are all there; without one the decoder's CPU tensors stand in."""
+    engine = _engine(make_tiny_llama().to(on_gpu.device), tiny_tokenizer)
     prompt = words(4, 70)
-    cpu = _engine(tiny_llama, tiny_tokenizer)
-    cpu.generate(prompt, max_new_tokens=6)
-    want, info = cpu.generate(prompt, max_new_tokens=6)
+    engine.generate(prompt, max_new_tokens=6)  # cold: two chunks stored
+    assert engine.reader.use_device(torch.device("cpu")) is None
+    want, info = engine.generate(prompt, max_new_tokens=6)
     assert info.levels == [1, 1] and info.decode_device == "cpu"
-    engine = _engine(tiny_llama, tiny_tokenizer)
-    assert engine.reader.use_device(torch.device("cuda")) is None  # as for a model on a GPU
-    engine.store = cpu.store
+    assert engine.reader.use_device(torch.device("cuda")) is None  # what an engine does with a model on a GPU
     text, info = engine.generate(prompt, max_new_tokens=6)
     assert text == want and info.levels == [1, 1] and info.decode_device == "cuda" and not info.errors
-    assert str(on_gpu.device) in fused._VERIFIED
+    assert str(on_gpu.device) in fused._VERIFIED  # the fused kernel wrote the chunks into the buffer
 
 
-def test_a_device_decoder_that_fails_falls_back_to_the_cpu_once_and_says_so(on_gpu, monkeypatch, caplog, tiny_llama, tiny_tokenizer):
+def test_a_device_decoder_that_fails_falls_back_to_the_cpu_once_and_says_so(on_gpu, monkeypatch, caplog, tiny_tokenizer):
     prompt = words(5, 70)
-    engine = _engine(tiny_llama, tiny_tokenizer)
+    engine = _engine(make_tiny_llama().to(on_gpu.device), tiny_tokenizer)
     engine.generate(prompt, max_new_tokens=6)
     want, _ = engine.generate(prompt, max_new_tokens=6)
 
     def broken(*args, **kwargs):
         raise BackendUnavailable("the kernel does not compile here")
 
-    monkeypatch.setattr(on_gpu, "decode_kv", broken)
+    monkeypatch.setattr(TritonDecoder, "decode_kv", broken)
     assert engine.reader.use_device(torch.device("cuda")) is None
     with caplog.at_level(logging.WARNING, logger="cachegen_core.engine"):
         text, info = engine.generate(prompt, max_new_tokens=6)

@@ -17,6 +17,7 @@ back one status per substream, so a bad payload is an error of this call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -147,7 +148,8 @@ class TritonDecoder:
         (keys stored as they are). A symbol below ``min_symbol`` is a ``CacheGenFormatError``."""
         if not self.fuses(head_dim, cos_sin is not None) or keys.stride() != values.stride() or keys.stride(3) != 1:
             raise CoderError(f"the Triton KV decoder cannot write head vectors of {head_dim} into these tensors")
-        if keys.device != values.device or keys.device.type != self.device.type or keys.dtype != values.dtype:
+        here = keys.device.type == self.device.type and (self.device.index is None or keys.device == self.device)
+        if keys.device != values.device or not here or keys.dtype != values.dtype:
             raise CoderError("keys and values must be tensors of one dtype on the decoder's device")
         rot = 0 if cos_sin is None else (1 if 16 % head_dim == 0 else 2)
         self._kv(data, offsets, layout, freqs, keys, values, heads, head_dim, min_symbol, step, mean, cos_sin, rot, first_token)
@@ -226,12 +228,13 @@ class TritonDecoder:
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else []
         t = time.perf_counter()
         try:
-            if events:
-                events[0].record(torch.cuda.current_stream(dev))
-            kernel[(programs,)](words, word_off, sym_off, order_t, rounds_t, n, ids, layout.period if rows.shape[0] > 1 else 0,
-                                layout.period, info, alphabet, *outputs, status, **launch)  # fmt: skip
-            if events:
-                events[1].record(torch.cuda.current_stream(dev))
+            with torch.cuda.device(dev) if events else contextlib.nullcontext():  # Triton launches on the current device
+                if events:
+                    events[0].record(torch.cuda.current_stream(dev))
+                kernel[(programs,)](words, word_off, sym_off, order_t, rounds_t, n, ids, layout.period if rows.shape[0] > 1 else 0,
+                                    layout.period, info, alphabet, *outputs, status, **launch)  # fmt: skip
+                if events:
+                    events[1].record(torch.cuda.current_stream(dev))
             codes = status.cpu().numpy()  # waits for the kernel
         except Exception as e:  # a compile or launch failure: this decoder cannot run here
             raise BackendUnavailable(f"the Triton decoder failed on {dev}: {type(e).__name__}: {e}") from e
