@@ -243,7 +243,7 @@ def test_levels_decode_where_the_model_is_when_the_coder_can_and_on_the_cpu_othe
 
     assert engine.reader.decode_device.type == "cpu" and engine.reader.use_device(torch.device("cpu")) is None
     why = engine.reader.use_device(torch.device("cuda"))
-    assert engine.reader.decode_device.type == "cpu" and why  # no GPU or nvcc here: the reason is given
+    assert engine.reader.decode_device.type == "cpu" and why  # no GPU here: the reason is given
 
     class FakeGpuDecoder:  # what a working GPU decoder looks like to the reader
         def __init__(self, device):

@@ -40,8 +40,9 @@ class KVCodec:
     run (no native library, no torchac) it is None and coding a level raises ``BackendUnavailable``.
     ``limits`` and ``max_tokens`` bound what a blob may make the decoder allocate.
     ``device`` (default the CPU) is where decoding runs and the decoded KV is returned:
-    on ``cuda`` the substreams are decoded by the GPU decoder of the blob's coder and
-    dequantised there by torch. A device whose decoder cannot run here raises
+    on ``cuda`` by the GPU decoder of the blob's coder (``coders.get_decoder``: the native
+    format's Triton kernels write the KV itself, or with a profile the components that
+    torch turns into KV there). A device whose decoder cannot run here raises
     ``BackendUnavailable`` (at construction for ``coder``'s format, at decode for a
     blob's); it is never silently replaced by another.
     ``rotary``: the model's rotary embedding (``RotarySpec.from_model(model)``); keys are
@@ -310,27 +311,31 @@ class KVCodec:
             raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {list(h.shape)} needs {geo.n_streams}")
         mean, step, exact, freqs = self._side_info(h, c, geo)
         layout = stream_layout(geo, h.level, self._tables)
-        native = device.type == "cpu" and fused.supports(h.coder)
+        gpu = self._decoder(h.coder, device) if device.type != "cpu" else None  # its device holds the output
+        where = gpu.device if gpu is not None else device
+        native = gpu is None and fused.supports(h.coder)
         if native:
             layout.validate(freqs.shape[0])
-        gpu = self._decoder(h.coder, device) if device.type == "cuda" else None
+        lengths = [len(p) for p in c.streams]
         fusable = not self._fitted and (native or fused.fuses_on(gpu, dim, self.rotary is not None))
         if fusable and out is None:
-            out = KVCache(*(torch.empty(h.shape, dtype=h.dtype, device=device) for _ in range(2)))
-        if fusable and fused.writes_kv(out, h.dtype, device) and not self._may_overflow(h, mean, step, exact, out):  # type: ignore[arg-type]
-            cs = self.rotary.cos_sin(start + tokens - geo.coded_tokens, geo.coded_tokens, device) if self.rotary else None
+            out = KVCache(*(torch.empty(h.shape, dtype=h.dtype, device=where) for _ in range(2)))
+        if fusable and fused.writes_kv(out, h.dtype, where) and not self._may_overflow(h, mean, step, exact, out):  # type: ignore[arg-type]
+            cs = self.rotary.cos_sin(start + tokens - geo.coded_tokens, geo.coded_tokens, where) if self.rotary else None
             if native:
-                fused.decode_kv(blob, [len(p) for p in c.streams], layout, freqs, geo, step, mean, cs, out)
+                fused.decode_kv(blob, lengths, layout, freqs, geo, step, mean, cs, out)
             else:
-                fused.decode_kv_on(gpu, c.streams, layout, freqs, geo, step, mean, cs, out)
+                fused.decode_kv_on(gpu, blob, lengths, layout, freqs, geo, step, mean, cs, out)
             for kind, dst in enumerate((out.keys, out.values)):  # the exact sink tokens
                 dst[:, :, : tokens - geo.coded_tokens].copy_(exact_part(exact, kind, start=start, encoded_start=h.start, rotary=self.rotary))
             if gpu is not None:  # the fused kernel checked against the torch path once per device
-                fused.verify_once(device, out, lambda: self._synthesise(h, self._components_torch(h, geo, step, freqs, layout, c, device),
-                                                                         mean.to(device), step.to(device), exact.to(device), start, None))  # fmt: skip
+                fused.verify_once(where, out, lambda: self._synthesise(h, self._components_torch(h, geo, step, freqs, layout, c, device),
+                                                                        mean.to(where), step.to(where), exact.to(where), start, None))  # fmt: skip
             return out
         if native:
-            comps = fused.decode_components(blob, [len(p) for p in c.streams], layout.offsets, layout.table_ids, freqs, geo, step)
+            comps = fused.decode_components(blob, lengths, layout.offsets, layout.table_ids, freqs, geo, step)
+        elif hasattr(gpu, "decode_components"):  # dequantised by the kernel, the transform's matmul left to torch
+            comps = fused.decode_components_on(gpu, blob, lengths, layout, freqs, geo, step)
         else:
             comps = self._components_torch(h, geo, step, freqs, layout, c, device)
         return self._synthesise(h, comps, mean.to(comps.device), step.to(comps.device), exact.to(comps.device), start, out)

@@ -65,13 +65,14 @@ def n_inline_tables(layers: int) -> int:
 
 
 def stream_layout(geo: ChunkGeometry, level: int, tables: TableLayout | None) -> StreamLayout:
-    """Substream offsets and the table of every (substream, position in the period)."""
+    """Substream offsets and the table of every (substream, position in the period): one row, seen by every
+    substream (a read-only view; coders that need the rows in memory copy them)."""
     offsets = np.concatenate([[0], np.cumsum(np.array(geo.block_tokens, dtype=np.int64) * geo.period)]).astype(np.int64)
     if tables is None:
         row = np.repeat(np.arange(2 * geo.layers, dtype=np.int32), geo.channels)
     else:
         row = (tables.level_base(level) + np.arange(geo.period)).astype(np.int32)
-    return StreamLayout(offsets, np.ascontiguousarray(np.broadcast_to(row, (geo.n_streams, geo.period))))
+    return StreamLayout(offsets, np.broadcast_to(row, (geo.n_streams, geo.period)))  # one row for every substream: a view
 
 
 def flatten_symbols(symbols: torch.Tensor) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Entropy coders behind one interface; blobs record the coder's name so each decodes with its own.
 
-``native-rans16-v1`` (``native.py``, C++/CUDA in ``csrc/``) is the default wherever its
-library loads; ``torchac`` (``reference.py``, an optional extra) is the slow oracle and
+``native-rans16-v1`` (``native.py``, C++ in ``csrc/``; on GPUs Triton kernels,
+``triton_decoder.py``) is the default wherever its library loads; ``torchac`` (``reference.py``, an optional extra) is the slow oracle and
 the fallback. ``registry.py`` knows which coders, and which decoders per kind of device
 (CPU, CUDA), can run here.
 

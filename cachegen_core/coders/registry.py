@@ -4,8 +4,9 @@ A *coder* is a byte format with its CPU encoder and decoder (``Coder``):
 ``native-rans16-v1`` (``native.py``), the default wherever its library loads, and
 ``torchac`` (``reference.py``), the slow oracle, listed only when the optional torchac
 package is installed. A coder may also have *decoders* for other kinds of device
-(``SymbolDecoder``, table ``DEVICE_DECODERS``): the native format decodes on CUDA
-(``native_cuda.py``). ``get_decoder(name, device)`` picks the decoder a blob needs.
+(``SymbolDecoder``, table ``DEVICE_DECODERS``): the native format decodes on CUDA with
+Triton kernels (``triton_decoder.py``; compiled at first use, nothing built at install).
+``get_decoder(name, device)`` picks the decoder a blob needs, or says why none can run there.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import torch
 from . import native_lib, reference
 from .base import BackendUnavailable, Coder, StreamLayout, SymbolDecoder
 from .native import NativeCoder
-from .native_cuda import CudaDecoder
 from .reference import ReferenceCoder
+from .triton_decoder import triton_decoder
 
 #: Every coder this build knows, fastest first (whether or not it can run here).
 KNOWN_CODERS: tuple[type, ...] = (NativeCoder, ReferenceCoder)
 #: Decoders besides each coder's CPU one, by (coder name, device type): a factory taking the
 #: ``torch.device`` that raises ``BackendUnavailable`` when it cannot run here.
 DEVICE_DECODERS: dict[tuple[str, str], Callable[[torch.device], SymbolDecoder]] = {
-    (NativeCoder.name, "cuda"): CudaDecoder,
+    (NativeCoder.name, "cuda"): triton_decoder,
 }
 
 
@@ -89,7 +90,7 @@ def get_decoder(name: str, device: str | torch.device | None = None) -> SymbolDe
 
     ``KeyError`` when the coder itself cannot run here (like ``get_coder``);
     ``BackendUnavailable`` when it can but has no decoder for that kind of device, or
-    that decoder cannot run here (no GPU, no nvcc...), saying why.
+    that decoder cannot run here (no GPU, no Triton...), saying why.
     """
     coder = get_coder(name)
     dev = torch.device("cpu" if device is None else device)

@@ -230,6 +230,7 @@ class DocumentCaches:
                     info.fetch_s += r.fetch_s
                     info.decode_s += r.decode_s
                     info.levels.append(r.option)
+            reader.note_decode(info, [r.option for r in records if r.chunk in asked])
         return held, text
 
     def _lookup(self, keys: list[str], info: GenerationInfo, floor: Option, options: Sequence[Option]) -> dict[str, Manifest]:

@@ -257,8 +257,8 @@ class KVEngine:
                 self.metrics_recorder.record(info, store=repr(self.store), chunk_tokens=self.chunk_tokens,
                                              prefill_s_per_token=self.cost_model.prefill_s_per_token, fetch_counted=i > 0)
                 out.append((text, info))
-                if not info.chunks_queued and not r.missing:  # nothing queued for the writer holds views of it
-                    self.buffers.give(buffer)
+                if (not info.chunks_queued or buffer.keys.is_cuda) and not r.missing:  # no view of it queued for the writer
+                    self.buffers.give(buffer)  # (from a GPU the writer took copies, made before any later use of it)
         return out
 
     # ------------------------------------------------------------ the warm path
