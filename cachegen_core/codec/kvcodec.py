@@ -23,7 +23,7 @@ from .config import CodecConfig
 from ..errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
 from ..kv import KVCache, KVShapeError, all_finite
-from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name, side_info
+from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, BlobHeader, Checked, Prepared, bf16_section, dtype_name, side_info, valid_shape
 from .fused_encode import quantise_chunk
 from .pipeline import exact_part, exact_tokens, magnitude_bound, synthesise_parts
 from .profile import Profile, TableLayout
@@ -267,14 +267,7 @@ class KVCodec:
         if level is not None and blob_level != level:
             raise CacheGenFormatError(f"blob is at level {blob_level}, expected level {level}")
         shape = h.get("shape")
-        if (
-            not isinstance(shape, list)
-            or len(shape) != 4
-            or any(not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= MAX_DIM for d in shape[:2] + shape[3:])
-            or not isinstance(shape[2], int)
-            or isinstance(shape[2], bool)
-            or not 1 <= shape[2] <= self.max_tokens
-        ):
+        if not valid_shape(shape, self.max_tokens):
             raise CacheGenFormatError(f"bad shape {shape!r} (tokens limited to max_tokens={self.max_tokens})")
         if h["dtype"] not in DTYPES:
             raise CacheGenFormatError(f"bad dtype {h['dtype']!r}")
