@@ -31,7 +31,7 @@ import json, sys
 from pathlib import Path
 import numpy as np, torch
 import cachegen_core
-from cachegen_core import fused
+from cachegen_core.codec import fused
 from cachegen_core.codec import KVCodec
 from cachegen_core.coders import native_lib
 from cachegen_core.kv import KVCache
