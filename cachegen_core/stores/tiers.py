@@ -1,0 +1,69 @@
+"""The two tiers inside a bounded store: what a key belongs to and which tier gives up room next.
+
+A chunk is stored as its manifest, its compression levels and its exact 16-bit forms
+(``keys/chunks.py``). A byte of store buys far more reuse as a level (about a quarter of the
+16-bit bytes: a hit instead of a full prefill) than as a raw form (a faster hit on a local
+store: 0.1 s against 0.2 s on a 3K context). So a bounded store keeps two tiers:
+
+- the **capacity tier**: manifests, levels and any other key, evicted a whole chunk at a time
+  (its manifest, levels and raw forms), least recently used first;
+- the **raw tier**: the raw forms (``-Lraw``, ``-Llossless``), one blob at a time, least
+  recently used first. A chunk whose raw form went stays a hit at its level: the reader takes
+  the next form its manifest names (``engine/reader.py``).
+
+``raw_share`` of the budget is the raw tier's, the rest the capacity tier's; a tier may use
+room the other leaves unused, and gives it back first: when the store is over its budget the
+raw tier yields while it holds more than its share, else the capacity tier. So with room for
+every level the raw tier holds what is left (the hottest contexts stay 16-bit), and in a store
+full of levels it keeps its share. ``raw_share=0`` keeps raw forms only in unused room, ``1``
+lets them crowd out levels. (Unrelated to ``engine/hot.py``'s ``HotTier``: an engine's write-behind
+buffer of chunks not yet stored.)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from ..keys.manifest import RAW_OPTIONS
+
+Tier = Literal["raw", "capacity"]
+RAW_TIER: Tier = "raw"
+CAPACITY_TIER: Tier = "capacity"
+TIERS: tuple[Tier, ...] = (RAW_TIER, CAPACITY_TIER)
+#: The raw tier's share of a bounded store's budget by default.
+DEFAULT_RAW_SHARE = 0.2
+
+_RAW_SUFFIXES = tuple(f"-L{o}" for o in RAW_OPTIONS)
+#: A chunk's key in a backend: anything (the namespace), 64 hex digits, then ``-M`` or ``-L<option>``.
+_CHUNK_KEY = re.compile(r"^(?P<stem>.*[0-9a-f]{64})-(?:M|L(?:\d{1,2}|raw|lossless))$")
+
+
+def tier_of(key: str) -> Tier:
+    """The tier of a store key (with or without the namespace)."""
+    return RAW_TIER if key.endswith(_RAW_SUFFIXES) else CAPACITY_TIER
+
+
+def chunk_of(key: str) -> str:
+    """The unit a capacity-tier key is evicted with: its chunk (namespace and key), or the key itself."""
+    m = _CHUNK_KEY.match(key)
+    return m["stem"] if m is not None else key
+
+
+def raw_keys(stem: str) -> list[str]:
+    """The raw-tier keys of the chunk ``stem`` (as :func:`chunk_of` names it)."""
+    return [stem + s for s in _RAW_SUFFIXES]
+
+
+def check_share(raw_share: float | None) -> float | None:
+    """``raw_share`` when it is a fraction in [0, 1] (or None: no tiers); ``ValueError`` otherwise."""
+    if raw_share is not None and not 0.0 <= float(raw_share) <= 1.0:
+        raise ValueError(f"raw_share must be in [0, 1], got {raw_share}")
+    return None if raw_share is None else float(raw_share)
+
+
+def yielding_tier(limit: int, raw_share: float, raw_bytes: int, capacity_bytes: int) -> Tier | None:
+    """The tier that gives up its least recently used unit next, or None when the store is within ``limit``."""
+    if raw_bytes + capacity_bytes <= limit:
+        return None
+    return RAW_TIER if raw_bytes > raw_share * limit or capacity_bytes <= 0 else CAPACITY_TIER
