@@ -2,6 +2,7 @@
 
 - ``tiny``: tiny random-init Llama models, a word-level tokenizer and prompts for them;
 - ``redis_server``: real ``redis-server`` processes on a free loopback port;
+- ``redis_cluster``: a real Redis Cluster of them (``redis-cli --cluster create``), for failover tests;
 - ``fuzz``: the structured fuzzer of the decoders, libFuzzer and atheris targets.
 
 Importing this package needs no test tool (no pytest) and loads no other module of
