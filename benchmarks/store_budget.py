@@ -170,6 +170,14 @@ def _measure_rag(model: Any, tok: Any, docs: list[list[int]], reps: int, tmp: Pa
     return miss, sorted(runs)[len(runs) // 2]
 
 
+def costs_from_row(row: dict[str, Any]) -> Costs:
+    """The :class:`Costs` a ``costs`` row of an earlier run recorded (``--costs``)."""
+    form = lambda k: int(k) if k.isdigit() else k  # noqa: E731
+    return Costs(tuple(row["prefill_fit"]), {form(f): (0.0, c[0]) for f, c in row["stream_fit"].items()},  # type: ignore[arg-type]
+                 {form(f): tuple(c) for f, c in row["bytes_fit"].items()}, row["probe_s"], tuple(row["rag_miss_hit_s"]),  # type: ignore[arg-type]
+                 fp16_bytes_per_token=round(row["bytes_fit"][RAW][1]))  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- replaying
 def replay(trace: Any, policy: str, fraction: float, costs: Costs, scale: float, tmp: Path, raw_share: float) -> dict[str, Any]:
     """One trace on a fresh store of ``policy`` and ``fraction`` of the trace's working set: its row."""
@@ -252,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scale", type=float, default=32.0, help="the replayed store holds blobs and a budget this many times smaller")
     ap.add_argument("--tmp", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None, help="where the stores live")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--costs", default=None, metavar="F", help="take the costs row of an earlier run's output instead of measuring")
+    ap.add_argument("--measure-only", action="store_true", help="measure the costs and stop (replay them later with --costs)")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--plot", default=None, help="mean TTFT against budget, one panel per trace (PNG)")
     args = ap.parse_args(argv)
@@ -271,15 +281,22 @@ def main(argv: list[str] | None = None) -> None:
     lengths = np.linspace(lo, hi, args.measure).astype(int) // 64 * 64 if args.measure > 1 else [(lo + hi) // 128 * 64]
     all_ids = [tok(t)["input_ids"] for t in texts]
     contexts = [ids[:n] for ids, n in zip((i for i in all_ids if len(i) >= hi), lengths)]
-    if len(contexts) < len(lengths):
+    if len(contexts) < len(lengths) and not args.costs:
         sys.exit(f"only {len(contexts)} transcripts of {hi} tokens in {args.data}")
     from benchmarks.rag_reuse import document_pool  # noqa: PLC0415
 
     docs = [d for d, _ in document_pool(tok, texts, DOC_TOKENS, 0, PER_QUESTION)]
     with tempfile.TemporaryDirectory(prefix="store-budget-", dir=args.tmp) as tmp:
-        t = time.perf_counter()
-        costs, points = measure(model, tok, contexts, question, docs, args.reps, Path(tmp))
-        emit({"kind": "costs", "seconds": round(time.perf_counter() - t, 1), **points}, out)
+        if args.costs:
+            row = next(r for r in read_jsonl(args.costs) if r.get("kind") == "costs")
+            costs = costs_from_row(row)
+            emit({**row, "from": args.costs}, out)
+        else:
+            t = time.perf_counter()
+            costs, points = measure(model, tok, contexts, question, docs, args.reps, Path(tmp))
+            emit({"kind": "costs", "seconds": round(time.perf_counter() - t, 1), **points}, out)
+        if args.measure_only:
+            return
         rng = random.Random(args.seed)
         prompt_extra = len(build_rag_extra(tok))
         traces = [

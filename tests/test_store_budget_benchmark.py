@@ -99,4 +99,10 @@ def test_the_script_runs_end_to_end_on_a_shaped_model(tiny_model_dir, tmp_path, 
         assert {"policy", "budget_fraction", "hit_rate", "mean_ttft_s", "p95_ttft_s", "bytes_held"} <= set(r)
     assert [r["trace"] for r in rows if r.get("kind") == "targets"] == ["zipf", "chat", "rag"]
     assert png.stat().st_size > 1000
+    again = tmp_path / "again.jsonl"  # the costs of that run replayed again: the same rows (the replay is deterministic)
+    store_budget.main(["--model", "llama-shaped:layers=2,hidden=64,heads=4,kv_heads=2,intermediate=128", "--data", str(data),
+                       "--costs", str(out), "--lengths", "1600", "2400", "--contexts", "5", "--requests", "12", "--chats", "2",
+                       "--turns", "3", "--docs", "5", "--budgets", "0.25", "1.0", "--scale", "1", "--tmp", str(tmp_path),
+                       "--out", str(again)])  # fmt: skip
+    assert [r for r in map(json.loads, open(again)) if "policy" in r] == table
     assert {a % CHUNK for a, _, _ in rows[1]["prefill"]} >= {0}  # measured with whole chunks reused (and partial chunks)

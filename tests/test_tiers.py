@@ -132,3 +132,25 @@ def test_a_chunk_whose_raw_form_was_evicted_is_a_hit_at_its_level(kind, tmp_path
     assert sorted(info.levels, key=str) == [1, 1, "raw"]  # the manifests still name every raw form: two were not there
     plain = plain_greedy(tiny_llama, tiny_tokenizer, prompt, 4)
     assert want == plain and isinstance(got, str)
+
+
+def test_redis_tiers_are_expiries_from_the_last_use(redis_server):
+    from cachegen_core.stores import RedisStore  # noqa: PLC0415
+
+    redis_server.flushall()
+    s = RedisStore(redis_server.url, namespace="ttl:", ttl_s=100, raw_ttl_s=2)
+    s.put_many([(h(1) + "-Lraw", b"r"), (h(1) + "-L1", b"l")])
+    s.put(h(1) + "-M", b"m")
+    c = s.client
+    assert 1000 < c.pttl("ttl:" + h(1) + "-Lraw") <= 2000 and 99_000 < c.pttl("ttl:" + h(1) + "-M") <= 100_000
+    assert RedisStore(redis_server.url, ttl_s=1).raw_ttl_ms == 1000  # raw forms never outlive the rest
+    import time  # noqa: PLC0415
+
+    time.sleep(1.2)
+    assert s.get(h(1) + "-Lraw") == b"r"  # a use: its expiry counts from now again
+    assert c.pttl("ttl:" + h(1) + "-Lraw") > 1500
+    time.sleep(2.1)
+    assert s.get_many([h(1) + "-Lraw", h(1) + "-L1"]) == [None, b"l"]  # unused for its TTL: gone, the level stays
+    plain = RedisStore(redis_server.url, namespace="ttl:", raw_ttl_s=None)
+    plain.put(h(2) + "-Lraw", b"r")
+    assert c.pttl("ttl:" + h(2) + "-Lraw") == -1  # no expiry
