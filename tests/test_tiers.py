@@ -45,6 +45,17 @@ def test_keys_belong_to_tiers_and_chunks():
     assert yielding_tier(100, 0.2, 120, 0) == RAW_TIER
 
 
+def test_an_eviction_plan_takes_raw_forms_over_their_share_then_whole_chunks():
+    from cachegen_core.stores.tiers import eviction_plan  # noqa: PLC0415
+
+    raw = [(h(1) + "-Lraw", 30), (h(2) + "-Lraw", 30)]  # least recently used first
+    units = [(h(1), [(h(1) + "-L1", 10), (h(1) + "-M", 1)]), (h(2), [(h(2) + "-M", 1), (h(2) + "-L1", 10)])]
+    assert eviction_plan(70, 0.2, raw, units) == [h(1) + "-Lraw"]  # raw 60 > 14: the oldest raw form goes
+    assert eviction_plan(82, 0.5, raw, units) == []  # within the budget
+    assert eviction_plan(80, 0.9, raw, units) == [h(1) + "-M", h(1) + "-L1", h(1) + "-Lraw"]  # levels borrowed: a whole chunk
+    assert eviction_plan(20, 0.5, raw, units, overhead=5) == [h(1) + "-Lraw", h(2) + "-Lraw", h(1) + "-M", h(1) + "-L1"]
+
+
 @pytest.mark.parametrize("kind", ["memory", "disk"])
 def test_levels_fill_the_budget_and_raw_forms_keep_their_share(kind, tmp_path):
     s = tiered_store(kind, tmp_path)
@@ -120,7 +131,8 @@ def test_a_chunk_whose_raw_form_was_evicted_is_a_hit_at_its_level(kind, tmp_path
     limit = levels + 3 * raw // 2  # every level and one raw form (the raw tier's share: one and a half)
     store = MemoryStore(max_bytes=limit, raw_share=1.5 * raw / limit) if kind == "memory" else DiskCacheStore(
         tmp_path / "kv", size_limit=8 << 20, raw_share=1.0, disk_min_file_size=0)  # fmt: skip
-    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, background=False)
+    # allow_text=False: on the tiny model recomputing a chunk may be predicted faster than decoding its level
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, background=False, allow_text=False)
     want, _ = e.generate(prompt, max_new_tokens=4)
     if kind == "disk":  # the disk store's database outweighs the tiny model's blobs: evict two raw forms as it would
         chunks = sorted({k[:64] for k in store.keys()})

@@ -32,7 +32,7 @@ from diskcache.core import MODE_BINARY, MODE_RAW
 from ..errors import StoreError
 from ..paths import cache_dir
 from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
-from .tiers import CAPACITY_TIER, DEFAULT_RAW_SHARE, RAW_TIER, check_share, chunk_of, raw_keys, tier_of, yielding_tier
+from .tiers import CAPACITY_TIER, DEFAULT_RAW_SHARE, RAW_TIER, check_share, chunk_of, eviction_plan, tier_of
 
 log = logging.getLogger(__name__)
 
@@ -269,40 +269,16 @@ class DiskCacheStore(BaseKVStore):
             with self._cache.transact(retry=False):
                 self._cache._con.executemany("UPDATE Cache SET access_time = ? WHERE key = ? AND raw = 1",
                                              [(t, k) for k, t in touched.items()])  # fmt: skip
-        volume, rows = self._cache.volume(), self._rows()
-        raw = sorted((t, k, n) for k, n, t in rows if tier_of(k) == RAW_TIER)
-        units: dict[str, list[tuple[str, int, float]]] = {}
+        rows = self._rows()
+        raw = [(k, n) for k, n, t in sorted(rows, key=lambda r: r[2]) if tier_of(k) == RAW_TIER]
+        units: dict[str, list[tuple[str, int]]] = {}
+        last: dict[str, float] = {}
         for k, n, t in rows:
             if tier_of(k) == CAPACITY_TIER:
-                units.setdefault(chunk_of(k), []).append((k, n, t))
-        order = sorted(units, key=lambda u: max(t for _, _, t in units[u]))
-        sizes = {k: n for _, k, n in raw}
-        raw_bytes = sum(sizes.values())
-        tier_bytes = {RAW_TIER: raw_bytes, CAPACITY_TIER: volume - raw_bytes}  # the database's pages count as capacity
-        victims: list[str] = []
-        gone: set[str] = set()
-        ri = ui = 0
-        while (tier := yielding_tier(self.size_limit, self.raw_share, tier_bytes[RAW_TIER], tier_bytes[CAPACITY_TIER])) is not None:
-            if tier == RAW_TIER:
-                while ri < len(raw) and raw[ri][1] in gone:
-                    ri += 1
-                if ri == len(raw):
-                    break
-                victims.append(raw[ri][1])
-                gone.add(raw[ri][1])
-                tier_bytes[RAW_TIER] -= raw[ri][2]
-                continue
-            if ui == len(order):
-                break
-            unit = sorted(units[order[ui]], key=lambda r: not r[0].endswith("-M"))  # its manifest first
-            ui += 1
-            victims += [k for k, _, _ in unit]
-            tier_bytes[CAPACITY_TIER] -= sum(n for _, n, _ in unit)
-            for k in raw_keys(order[ui - 1]):
-                if k in sizes and k not in gone:
-                    victims.append(k)
-                    gone.add(k)
-                    tier_bytes[RAW_TIER] -= sizes[k]
+                units.setdefault(stem := chunk_of(k), []).append((k, n))
+                last[stem] = max(last.get(stem, 0.0), t)
+        overhead = self._cache.volume() - sum(n for _, n, _ in rows)  # the database's own pages
+        victims = eviction_plan(self.size_limit, self.raw_share, raw, sorted(units.items(), key=lambda u: last[u[0]]), overhead)
         for k in victims:
             self._cache.delete(k, retry=False)
 

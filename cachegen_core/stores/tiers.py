@@ -23,6 +23,7 @@ buffer of chunks not yet stored.)
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Literal
 
 from ..keys.manifest import RAW_OPTIONS
@@ -67,3 +68,34 @@ def yielding_tier(limit: int, raw_share: float, raw_bytes: int, capacity_bytes: 
     if raw_bytes + capacity_bytes <= limit:
         return None
     return RAW_TIER if raw_bytes > raw_share * limit or capacity_bytes <= 0 else CAPACITY_TIER
+
+
+def eviction_plan(limit: int, raw_share: float, raw: Sequence[tuple[str, int]], units: Sequence[tuple[str, Sequence[tuple[str, int]]]],
+                  overhead: int = 0) -> list[str]:  # fmt: skip
+    """The keys to delete, in order, to bring a store within ``limit``: ``raw`` the raw tier's (key, bytes) and
+    ``units`` the capacity tier's chunks (its stem, its (key, bytes)), each least recently used first;
+    ``overhead`` bytes the store spends besides (counted in the capacity tier). A chunk goes manifest
+    first, then its levels, then its raw forms."""
+    raw_size = dict(raw)
+    held = {RAW_TIER: sum(raw_size.values()), CAPACITY_TIER: overhead + sum(n for _, unit in units for _, n in unit)}
+    victims: list[str] = []
+    gone: set[str] = set()
+    next_raw = iter(raw)
+    next_unit = iter(units)
+    while (tier := yielding_tier(limit, raw_share, held[RAW_TIER], held[CAPACITY_TIER])) is not None:
+        if tier == RAW_TIER:
+            key = next((k for k, _ in next_raw if k not in gone), None)
+            drop = [] if key is None else [key]
+        else:
+            stem, unit = next(next_unit, (None, ()))
+            if stem is None:
+                break
+            victims += [k for k, _ in sorted(unit, key=lambda kn: not kn[0].endswith("-M"))]
+            held[CAPACITY_TIER] -= sum(n for _, n in unit)
+            drop = [k for k in raw_keys(stem) if k in raw_size and k not in gone]
+        if tier == RAW_TIER and not drop:
+            break
+        victims += drop
+        gone.update(drop)
+        held[RAW_TIER] -= sum(raw_size[k] for k in drop)
+    return victims
