@@ -166,3 +166,15 @@ def test_redis_tiers_are_expiries_from_the_last_use(redis_server):
     plain = RedisStore(redis_server.url, namespace="ttl:", raw_ttl_s=None)
     plain.put(h(2) + "-Lraw", b"r")
     assert c.pttl("ttl:" + h(2) + "-Lraw") == -1  # no expiry
+
+
+def test_a_redis_user_that_may_only_read_still_reads(fresh_redis_server, caplog):
+    from cachegen_core.stores import RedisStore  # noqa: PLC0415
+
+    admin = fresh_redis_server.client()
+    admin.execute_command("ACL", "SETUSER", "reader", "on", ">pw", "~*", "+@read", "+multi", "+exec")
+    admin.close()
+    RedisStore(fresh_redis_server.url, namespace="ro:").put_many([(h(1) + "-Lraw", b"r"), (h(1) + "-M", b"m")])
+    reader = RedisStore(f"redis://reader:pw@127.0.0.1:{fresh_redis_server.port}/0", namespace="ro:", ttl_s=60)
+    assert reader.get_many([h(1) + "-M", h(1) + "-Lraw"]) == [b"m", b"r"]  # its reads cannot set expiries: plain reads
+    assert reader.get(h(1) + "-Lraw") == b"r" and sum("may not PEXPIRE" in r.getMessage() for r in caplog.records) == 1

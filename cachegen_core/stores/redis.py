@@ -28,6 +28,7 @@ a miss (no stored blob or manifest is empty).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -42,6 +43,8 @@ from redis.retry import Retry
 from ..errors import StoreError
 from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
 from .tiers import RAW_TIER, tier_of
+
+log = logging.getLogger(__name__)
 
 #: Redis' own limit on a string value (proto-max-bulk-len default).
 REDIS_MAX_VALUE_BYTES = 512 * (1 << 20)
@@ -101,6 +104,7 @@ class RedisStore(BaseKVStore):
                 url, cluster = plain + url[len(scheme) :], True
         self.cluster = cluster or (client is not None and isinstance(client, redis.RedisCluster))
         self._owns_client = client is None
+        self._refresh = True  # reads set expiries again (off for a user without PEXPIRE)
         self._lock = threading.Lock()
         self._cluster_args: tuple[Any, ...] | None = None
         self._client: Any = None
@@ -170,24 +174,33 @@ class RedisStore(BaseKVStore):
             raise StoreError(f"RedisStore {op} failed on {self._where}: {type(exc).__name__}: {exc}") from exc
 
     def _read(self, fulls: list[str]) -> list[bytes | None]:
-        """The values of ``fulls``, bounded, in one pipeline that also sets each found key's expiry again."""
+        """The values of ``fulls``, bounded, in one pipeline that also sets each found key's expiry again (unless
+        this user may not: then reads read only, and entries expire from their writes)."""
         if not fulls:
             return []
         limit = self.max_value_bytes
+        refresh = [self._refresh and self._ttl(f) is not None for f in fulls]
         pipe = self._pipeline()
-        for f in fulls:
+        for f, touch in zip(fulls, refresh):
             pipe.exists(f)
             if limit is None:
                 pipe.get(f)
             else:
                 pipe.getrange(f, 0, limit)  # at most limit + 1 bytes come back
-            if (ttl := self._ttl(f)) is not None:
-                pipe.pexpire(f, ttl)  # from the last use (a no-op on an absent key)
-        res = iter(pipe.execute())
+            if touch:
+                pipe.pexpire(f, self._ttl(f))  # from the last use (a no-op on an absent key)
+        try:
+            res = iter(pipe.execute())
+        except redis.exceptions.NoPermissionError as e:
+            if not any(refresh) or "pexpire" not in str(e).lower():
+                raise
+            self._refresh = False
+            log.warning("%s: this user may not PEXPIRE, so reads leave expiries as the writes set them", self._where)
+            return self._read(fulls)
         out: list[bytes | None] = []
-        for f in fulls:
+        for f, touch in zip(fulls, refresh):
             exists, data = next(res), next(res)
-            if self._ttl(f) is not None:
+            if touch:
                 next(res)
             if not exists or data is None:
                 out.append(None)
