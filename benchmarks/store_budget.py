@@ -8,7 +8,9 @@ Policies (every one a real ``DiskCacheStore``, the default store):
 - ``fp16-only``: the 16-bit form alone, least recently used evicted first (diskcache's LRU): plain fp16 KV;
 - ``today``: the raw form and level 1 in one eviction order, oldest stored first (the store before tiers);
 - ``today-lru``: the same, least recently used first (what tiers add beyond LRU);
-- ``tiered``: the default store: raw forms a share (``--raw-share``, 0.2) of the budget, levels the rest;
+- ``tiered``: the default store: the raw form and level 1 in two tiers, raw forms evicted first (in the
+  room the levels leave; ``--raw-share`` keeps a share of the budget for them, default none);
+- ``tiered-reserve``: the same with 20 % of the budget kept for raw forms;
 - ``levels-only``: level 1 alone (``store_options=[1]``).
 
 Traces: ``zipf``, ``--contexts`` distinct contexts of 3-8K tokens (``--lengths``) requested in Zipf(1.0) order; ``chat``,
@@ -63,8 +65,9 @@ POLICIES: dict[str, dict[str, Any]] = {
     "fp16-only": {"forms": (RAW,), "raw_share": None, "eviction_policy": "least-recently-used"},
     "today": {"forms": (RAW, LEVEL), "raw_share": None},
     "today-lru": {"forms": (RAW, LEVEL), "raw_share": None, "eviction_policy": "least-recently-used"},
-    "tiered": {"forms": (RAW, LEVEL), "raw_share": 0.2},
-    "levels-only": {"forms": (LEVEL,), "raw_share": 0.2},
+    "tiered": {"forms": (RAW, LEVEL)},  # the store's default tiers: raw forms in the room the levels leave
+    "tiered-reserve": {"forms": (RAW, LEVEL), "raw_share": 0.2},  # ... with 20 % of the budget kept for them
+    "levels-only": {"forms": (LEVEL,)},
 }
 
 
@@ -179,13 +182,13 @@ def costs_from_row(row: dict[str, Any]) -> Costs:
 
 
 # ---------------------------------------------------------------------------- replaying
-def replay(trace: Any, policy: str, fraction: float, costs: Costs, scale: float, tmp: Path, raw_share: float) -> dict[str, Any]:
+def replay(trace: Any, policy: str, fraction: float, costs: Costs, scale: float, tmp: Path, raw_share: float | None) -> dict[str, Any]:
     """One trace on a fresh store of ``policy`` and ``fraction`` of the trace's working set: its row."""
     from cachegen_core.stores import DiskCacheStore  # noqa: PLC0415
 
     spec = dict(POLICIES[policy])
     forms = spec.pop("forms")
-    if policy == "tiered":
+    if policy == "tiered" and raw_share is not None:
         spec["raw_share"] = raw_share
     budget = fraction * trace.working_set_tokens * costs.fp16_bytes_per_token
     d = tmp / f"replay-{trace.name}-{policy}-{fraction}"
@@ -199,7 +202,7 @@ def replay(trace: Any, policy: str, fraction: float, costs: Costs, scale: float,
     total, raw = r.held()
     store.close()
     shutil.rmtree(d, ignore_errors=True)
-    return {"trace": trace.name, "policy": policy, "raw_share": spec.get("raw_share"), "budget_fraction": fraction,
+    return {"trace": trace.name, "policy": policy, "raw_share": store.raw_share, "budget_fraction": fraction,
             "budget_bytes": round(budget), **summarise(r.tally, len(trace.requests)), "bytes_held": total,
             "raw_bytes_held": raw, "bytes_held_mean": round(statistics.fmean(held)) if held else total}  # fmt: skip
 
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--docs", type=int, default=40, help="documents of the rag trace")
     ap.add_argument("--budgets", type=float, nargs="+", default=BUDGETS)
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
-    ap.add_argument("--raw-share", type=float, default=0.2, help="the tiered store's raw share")
+    ap.add_argument("--raw-share", type=float, default=None, help="the tiered policy's raw_share (default: the store's)")
     ap.add_argument("--reps", type=int, default=3, help="warm requests per measured context and form (their median)")
     ap.add_argument("--scale", type=float, default=32.0, help="the replayed store holds blobs and a budget this many times smaller")
     ap.add_argument("--tmp", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None, help="where the stores live")

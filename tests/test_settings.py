@@ -124,7 +124,7 @@ def test_store_urls_carry_the_budget(tmp_path, redis_server):
     d = open_store(f"disk://{tmp_path}/d3?size_limit=512MiB&raw_share=none")
     assert (d.size_limit, d.raw_share, d.directory) == (512 << 20, None, tmp_path / "d3")
     m = open_store("memory?max_bytes=1.5k")
-    assert (m.max_bytes, m.raw_share) == (1536, 0.2)
+    assert (m.max_bytes, m.raw_share) == (1536, 0.0)
     assert open_store("memory?max_bytes=1k", max_bytes=10).max_bytes == 10  # code wins over the URL
     r = open_store(redis_server.url + "?ttl_s=600&raw_ttl_s=none&socket_timeout=1.5", namespace="urls:")
     assert (r.ttl_ms, r.raw_ttl_ms) == (600_000, None)

@@ -78,7 +78,7 @@ def test_stats_and_gc_per_tier(tmp_path, capsys, tiny_llama, tiny_tokenizer):
     s = run_cli(capsys, "stats", d)
     assert s["tiers"]["raw"] == {"entries": 2, "bytes": s["levels"]["raw"]["bytes"]}
     assert s["tiers"]["capacity"] == {"entries": 4, "bytes": s["bytes"] - s["levels"]["raw"]["bytes"]}  # manifests, levels
-    assert s["budget"] == {"limit": 10 << 30, "raw_share": 0.2}
+    assert s["budget"] == {"limit": 10 << 30, "raw_share": 0.0}
     with pytest.raises(ValueError, match="orphans"):
         GcPolicy(orphans=True, tier="raw")
     g = run_cli(capsys, "gc", d, "--tier", "raw", "--max-bytes", "0", "--dry-run")

@@ -57,15 +57,27 @@ def test_an_eviction_plan_takes_raw_forms_over_their_share_then_whole_chunks():
 
 
 @pytest.mark.parametrize("kind", ["memory", "disk"])
-def test_levels_fill_the_budget_and_raw_forms_keep_their_share(kind, tmp_path):
+def test_levels_fill_the_budget_and_raw_forms_take_the_room_left(kind, tmp_path):
     s = tiered_store(kind, tmp_path)
     for i in range(20):
         write_chunk(s, i)
     keys = set(s.keys())
     assert all(h(i) + "-L1" in keys and h(i) + "-M" in keys for i in range(20)), "every chunk stays stored at its level"
-    assert [k for k in keys if k.endswith("-Lraw")] == [h(19) + "-Lraw"], "the raw tier keeps its share: the newest"
+    assert [k for k in keys if k.endswith("-Lraw")] == [h(19) + "-Lraw"], "room for one raw form is left: the newest"
     held = sum(n for _, n, _ in s.entries())
     assert held <= LIMIT
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_a_reserve_keeps_raw_forms_where_levels_want_the_room(kind, tmp_path):
+    plain, reserved = tiered_store(kind, tmp_path / "a"), tiered_store(kind, tmp_path / "b", raw_share=0.2)
+    for s in (plain, reserved):
+        for i in range(26):  # 26 levels alone exceed the budget
+            write_chunk(s, i)
+    raws = [[k for k in s.keys() if k.endswith("-Lraw")] for s in (plain, reserved)]
+    levels = [sum(k.endswith("-L1") for k in s.keys()) for s in (plain, reserved)]
+    assert raws == [[], [h(25) + "-Lraw"]]  # raw forms go first; the reserve keeps the newest
+    assert levels[0] > levels[1] >= 20  # at the cost of levels
 
 
 @pytest.mark.parametrize("kind", ["memory", "disk"])

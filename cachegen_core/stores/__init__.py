@@ -2,8 +2,8 @@
 
 ``DiskCacheStore`` is the default (local disk, size-limited); ``RedisStore`` shares one
 cache between serving machines (one server or a Redis Cluster); ``MemoryStore`` is for tests
-and single processes. A bounded store keeps two tiers (``tiers``): raw forms a share of the
-budget, levels the rest. ``SignedStore`` wraps any of them to authenticate every value with a
+and single processes. A bounded store keeps two tiers (``tiers``): levels its capacity, raw
+forms in the room they leave. ``SignedStore`` wraps any of them to authenticate every value with a
 deployment key; ``open_store`` opens one from a URL (``disk``, a directory, ``memory``,
 ``redis(s)://``, ``redis(s)-cluster://``); ``admin`` lists and evicts chunks (``cachegen stats`` /
 ``cachegen gc``).

@@ -8,7 +8,7 @@ directory is rejected, never deserialised, and a file-backed value must lie insi
 directory and be no larger than ``max_value_bytes``.
 
 The size limit is kept in two tiers (``tiers.py``): raw forms and the rest, each least recently
-used first, the tier over its share of the limit first; this store culls them itself
+used first, raw forms first (but for a reserve, ``raw_share``); this store culls them itself
 (diskcache's own eviction is off). A read is not a write: the times of reads are kept in memory
 and written to the database with the next write that needs room (so reads keep working on a
 read-only directory, and a process that only reads does not move entries up).
@@ -103,9 +103,9 @@ class _BytesDisk(diskcache.Disk):
 class DiskCacheStore(BaseKVStore):
     """A ``KVStore`` on a diskcache ``Cache`` directory, shared safely by threads and processes.
 
-    ``size_limit`` bounds the cache's bytes on disk (values and database). ``raw_share``: the
-    raw forms' share of it (see the module doc); ``None``: no tiers, diskcache culls by its
-    ``eviction_policy`` (default: oldest stored first). ``timeout`` bounds how long an
+    ``size_limit`` bounds the cache's bytes on disk (values and database). ``raw_share``: a
+    share of it kept for raw forms even when levels want it (see the module doc; default none);
+    ``None``: no tiers, diskcache culls by its ``eviction_policy`` (default: oldest stored first). ``timeout`` bounds how long an
     operation waits on a locked database. Extra keyword arguments are diskcache settings.
     """
 

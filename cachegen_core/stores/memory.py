@@ -15,9 +15,9 @@ class MemoryStore(BaseKVStore):
     """Values in dicts, least recently used evicted first once ``max_bytes`` is exceeded.
 
     ``max_bytes`` counts value bytes; ``None`` means unbounded. A single value larger
-    than ``max_bytes`` is refused with ``StoreError``. ``raw_share``: the raw forms' share of
-    ``max_bytes`` (``tiers.py``: raw forms are evicted one at a time, the rest a whole chunk at a
-    time, the tier over its share first); ``None``: one plain LRU over every key.
+    than ``max_bytes`` is refused with ``StoreError``. Two tiers (``tiers.py``): raw forms are
+    evicted first, one at a time, the rest a whole chunk at a time; ``raw_share``: a share of
+    ``max_bytes`` kept for raw forms all the same (default none); ``None``: one plain LRU over every key.
     """
 
     local = True

@@ -11,13 +11,14 @@ store: 0.1 s against 0.2 s on a 3K context). So a bounded store keeps two tiers:
   recently used first. A chunk whose raw form went stays a hit at its level: the reader takes
   the next form its manifest names (``engine/reader.py``).
 
-``raw_share`` of the budget is the raw tier's, the rest the capacity tier's; a tier may use
-room the other leaves unused, and gives it back first: when the store is over its budget the
-raw tier yields while it holds more than its share, else the capacity tier. So with room for
-every level the raw tier holds what is left (the hottest contexts stay 16-bit), and in a store
-full of levels it keeps its share. ``raw_share=0`` keeps raw forms only in unused room, ``1``
-lets them crowd out levels. (Unrelated to ``engine/hot.py``'s ``HotTier``: an engine's write-behind
-buffer of chunks not yet stored.)
+When the store is over its budget the raw tier yields first, unless it is down to ``raw_share``
+of the budget (a reserve, default none): raw forms live in the room the levels leave, up to the
+whole budget, so with room for every level the hottest contexts stay 16-bit as well, and a store
+too small for every level holds levels only. A reserve kept raw forms that levels would have
+used, and cost hits: on the reference model's 3-8K contexts in Zipf order at a quarter of their
+fp16 bytes, a 20 % reserve held 5 % fewer contexts and its mean TTFT was 1.25x the unreserved one's,
+equal at half and above (``benchmarks.store_budget``, ``docs/results.md``). (Unrelated to
+``engine/hot.py``'s ``HotTier``: an engine's write-behind buffer of chunks not yet stored.)
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ Tier = Literal["raw", "capacity"]
 RAW_TIER: Tier = "raw"
 CAPACITY_TIER: Tier = "capacity"
 TIERS: tuple[Tier, ...] = (RAW_TIER, CAPACITY_TIER)
-#: The raw tier's share of a bounded store's budget by default.
-DEFAULT_RAW_SHARE = 0.2
+#: The share of a bounded store's budget kept for raw forms even when levels want it, by default.
+DEFAULT_RAW_SHARE = 0.0
 
 _RAW_SUFFIXES = tuple(f"-L{o}" for o in RAW_OPTIONS)
 #: A chunk's key in a backend: anything (the namespace), 64 hex digits, then ``-M`` or ``-L<option>``.
@@ -64,7 +65,8 @@ def check_share(raw_share: float | None) -> float | None:
 
 
 def yielding_tier(limit: int, raw_share: float, raw_bytes: int, capacity_bytes: int) -> Tier | None:
-    """The tier that gives up its least recently used unit next, or None when the store is within ``limit``."""
+    """The tier that gives up its least recently used unit next, or None when the store is within ``limit``: the raw
+    tier while it holds more than its reserve (``raw_share`` of ``limit``) or nothing else is held, else the capacity tier."""
     if raw_bytes + capacity_bytes <= limit:
         return None
     return RAW_TIER if raw_bytes > raw_share * limit or capacity_bytes <= 0 else CAPACITY_TIER
