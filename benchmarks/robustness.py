@@ -407,6 +407,40 @@ def scenario_redis_killed_mid_stream(bench: Bench) -> dict[str, Any]:
     return tally.row(w)
 
 
+def scenario_redis_cluster_failover(bench: Bench) -> dict[str, Any]:
+    """A Redis Cluster (3 masters, 3 replicas) loses a master right after the first chunk of a hit is fetched;
+    requests keep coming while a replica takes over (the exact form stored: every answer must be the model's own)."""
+    from cachegen_core.testing.redis_cluster import running_redis_cluster  # noqa: PLC0415
+
+    tally = Tally("redis cluster master killed mid-stream")
+    with running_redis_cluster() as cluster, counting_warnings() as w:
+        killed: list[Any] = []
+
+        def kill_after_first_get(key: str, value: bytes | None) -> None:
+            if not killed and not key.endswith("-M"):  # after the first blob, not the manifests
+                killed.append((cluster.kill_master(), time.monotonic()))
+
+        store = RedisStore(cluster.url, socket_timeout=1.0)
+        eng = KVEngine(bench.model, bench.tokenizer, store=store, chunk_tokens=CHUNK, level="lossless",
+                       store_options=["lossless"], background=False, allow_text=False)  # fmt: skip
+        texts = [prompt(s) for s in (180, 181, 182)]
+        for text in texts:  # misses: stored, and replicated before the kill
+            tally.ask(bench, eng, text)
+        cluster.wait_ok()
+        eng.store = HookedStore(store, on_get=kill_after_first_get)
+        info = tally.ask(bench, eng, texts[0])  # a hit that loses a master under its stream
+        tally.extra["cached_tokens_while_dying"] = info.cached_tokens if info else None
+        eng.store = store
+        resumed = None
+        while resumed is None and time.monotonic() - killed[0][1] < 30:  # until every prompt is reused whole again
+            infos = [tally.ask(bench, eng, text) for text in texts]
+            if all(i is not None and i.cached_tokens == 3 * CHUNK for i in infos):
+                resumed = time.monotonic() - killed[0][1]
+        tally.extra["master_failed_over"] = cluster.roles().get(killed[0][0].address) == "fail"
+        tally.extra["reuse_back_after_s"] = None if resumed is None else round(resumed, 2)
+    return tally.row(w)
+
+
 def scenario_redis_restarted(bench: Bench) -> dict[str, Any]:
     """A clean restart between requests: pooled connections go stale, the store heals itself."""
     tally = Tally("redis restarted")
@@ -659,6 +693,7 @@ ENGINE_SCENARIOS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "corrupted blob in store": scenario_corrupted_blob,
     "redis killed mid-stream": scenario_redis_killed_mid_stream,
     "redis restarted": scenario_redis_restarted,
+    "redis cluster failover": scenario_redis_cluster_failover,
     "slow redis": scenario_slow_redis,
     "diskcache full": scenario_diskcache_full,
     "read-only cache dir": scenario_read_only_dir,
