@@ -5,7 +5,7 @@
     cachegen model path [NAME]         print its dir without converting (exit 1: not prepared yet)
     cachegen profile --model MODEL --texts FILE.jsonl [--field prompt] [--stat-texts N] [--out PATH]
     cachegen stats [STORE] [--namespace NS] [--no-headers]
-    cachegen gc [STORE] [--older-than 7d] [--max-bytes 5G] [--model FP] [--orphans] [--dry-run]
+    cachegen gc [STORE] [--older-than 7d] [--max-bytes 5G] [--model FP] [--orphans] [--tier raw] [--dry-run]
 
 STORE is a store URL (``disk``, a directory, ``memory``, ``redis://``, ``rediss://``; default
 ``$CACHEGEN_STORE``, else ``disk``), see ``cachegen_core.stores.url``.
@@ -197,7 +197,8 @@ def _gc(args: argparse.Namespace) -> int:
     from .stores.admin import GcPolicy, gc  # noqa: PLC0415
 
     try:
-        policy = GcPolicy(args.older_than, None if args.max_bytes is None else int(args.max_bytes), args.model, args.orphans)
+        policy = GcPolicy(args.older_than, None if args.max_bytes is None else int(args.max_bytes), args.model, args.orphans,
+                          tier=args.tier)  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -227,6 +228,8 @@ def _register_gc(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
                    help="then the oldest chunks until the store holds at most SIZE: 500M, 5G")  # fmt: skip
     p.add_argument("--model", default=None, metavar="FP", help="chunks of the model whose fingerprint starts with FP")
     p.add_argument("--orphans", action="store_true", help="chunks without a manifest, 10 minutes after their last write")
+    p.add_argument("--tier", choices=("all", "raw"), default="all",
+                   help="raw: delete raw (16-bit) forms only, each by its own age; their chunks stay hits at their levels")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
     p.set_defaults(func=_gc)
 

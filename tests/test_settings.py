@@ -118,6 +118,25 @@ def test_store_urls(tmp_path, redis_server):
             open_store(bad)
 
 
+def test_store_urls_carry_the_budget(tmp_path, redis_server):
+    d = open_store("disk?size_limit=2G&raw_share=0.3", cache_dir=tmp_path / "c")
+    assert (d.size_limit, d.raw_share, d.directory) == (2 << 30, 0.3, tmp_path / "c" / "kv")
+    d = open_store(f"disk://{tmp_path}/d3?size_limit=512MiB&raw_share=none")
+    assert (d.size_limit, d.raw_share, d.directory) == (512 << 20, None, tmp_path / "d3")
+    m = open_store("memory?max_bytes=1.5k")
+    assert (m.max_bytes, m.raw_share) == (1536, 0.0)
+    assert open_store("memory?max_bytes=1k", max_bytes=10).max_bytes == 10  # code wins over the URL
+    r = open_store(redis_server.url + "?ttl_s=600&raw_ttl_s=none&socket_timeout=1.5", namespace="urls:")
+    assert (r.ttl_ms, r.raw_ttl_ms) == (600_000, None)
+    assert r.client.connection_pool.connection_kwargs["socket_timeout"] == 1.5  # redis-py's own options still ride along
+    r.put("k", b"v")
+    assert r.get("k") == b"v" and 0 < r.client.pttl("urls:k") <= 600_000
+    assert open_store(redis_server.url).raw_ttl_ms == 3600_000  # raw forms expire after an hour unused by default
+    for bad in ("disk?size_limit=lots", "memory?colour=blue", "disk?raw_share=2"):
+        with pytest.raises(ValueError):
+            open_store(bad, cache_dir=tmp_path / "c")
+
+
 def test_describe_hides_passwords():
     assert describe("rediss://app1:p@ss@host:6380/0") == "rediss://app1:***@host:6380/0"
     assert describe("redis://:pw@h/0") == "redis://:***@h/0"

@@ -69,6 +69,28 @@ def test_raw_forms_belong_to_their_chunk(tmp_path, capsys, tiny_llama, tiny_toke
     assert (g["chunks_deleted"], g["keys_deleted"], g["bytes_left"]) == (2, 6, 0) and not list(store.keys())
 
 
+def test_stats_and_gc_per_tier(tmp_path, capsys, tiny_llama, tiny_tokenizer):
+    d = str(tmp_path / "kv")
+    store = DiskCacheStore(d)
+    eng = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=["raw", 1], background=False)
+    prompt = words(4, 2 * CHUNK + 5)
+    eng.generate(prompt, max_new_tokens=1)
+    s = run_cli(capsys, "stats", d)
+    assert s["tiers"]["raw"] == {"entries": 2, "bytes": s["levels"]["raw"]["bytes"]}
+    assert s["tiers"]["capacity"] == {"entries": 4, "bytes": s["bytes"] - s["levels"]["raw"]["bytes"]}  # manifests, levels
+    assert s["budget"] == {"limit": 10 << 30, "raw_share": 0.0}
+    with pytest.raises(ValueError, match="orphans"):
+        GcPolicy(orphans=True, tier="raw")
+    g = run_cli(capsys, "gc", d, "--tier", "raw", "--max-bytes", "0", "--dry-run")
+    assert (g["blobs_deleted"], g["raw_bytes_left"]) == (2, 0) and len(list(store.keys())) == 6
+    g = run_cli(capsys, "gc", d, "--tier", "raw", "--max-bytes", "0")
+    assert (g["blobs_deleted"], g["by_reason"], g["bytes_freed"]) == (2, {"size": 2}, s["tiers"]["raw"]["bytes"])
+    s = run_cli(capsys, "stats", d)
+    assert s["tiers"]["raw"] == {"entries": 0, "bytes": 0} and s["chunks"] == 2
+    _, info = eng.generate(prompt, max_new_tokens=1)
+    assert info.cached_tokens == 2 * CHUNK and info.levels == [1, 1] and not info.errors  # hits at their level
+
+
 def test_gc_by_model_age_and_size_on_disk(tmp_path, capsys, tiny_llama, tiny_tokenizer):
     d = str(tmp_path / "kv")
     store = DiskCacheStore(d)

@@ -594,3 +594,35 @@ def test_a_local_store_plans_its_first_chunk_before_any_fetch_is_measured():
     first = local.decide(cs, elapsed_s=0.0, bandwidth=None)
     assert first.option == "raw" and first.predicted_finish_s is not None
     assert local.decide(cs, elapsed_s=0.0, bandwidth=10 * mb).option == 1  # a measured slow disk still gets the level
+
+
+class Gone(LookupError):
+    """A form the store no longer holds (the reader's ``BlobMissing``)."""
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_missing_form_is_replaced_by_the_next_one_in_the_same_stream(overlap):
+    evicted = {(1, RAW), (3, RAW), (3, 1)}  # chunk 1 lost its raw form, chunk 3 both of its forms
+    asked = []
+
+    def fetch(chunk, option):
+        asked.append((chunk, option))
+        if (chunk, option) in evicted:
+            raise Gone(f"{chunk} as {option}")
+        return b"x" * 1000
+
+    stored = ChunkCost({RAW: 8 * MB, 1: 2 * MB}, {RAW: 0.001, 1: 0.05}, 1536)
+    kw = dict(decode=lambda b, c, o: (c, o), on_text=lambda c: (c, TEXT), estimator=HarmonicMeanEstimator(), overlap=overlap,
+              controller=Controller([RAW, 1], floor=1, serial=True))  # fmt: skip
+    res = stream_chunks([0, 1, 2], [stored] * 3, fetch=fetch, missing=(Gone,), **kw)
+    assert res.parts == [(0, RAW), (1, 1), (2, RAW)] and [r.option for r in res.trace] == [RAW, 1, RAW]
+    assert asked == [(0, RAW), (1, RAW), (1, 1), (2, RAW)]  # the lost form asked once, the next one at once
+    with pytest.raises(StreamFailure) as err:  # no stored form left: a plain miss from there, as before
+        stream_chunks([0, 1, 2, 3, 4], [stored] * 5, fetch=fetch, missing=(Gone,), **kw)
+    assert err.value.index == 3 and isinstance(err.value.cause, Gone) and len(err.value.partial.parts) == 3
+    only_coarse = ChunkCost({RAW: 8 * MB, 3: MB}, {RAW: 0.001, 3: 0.05}, 1536)
+    with pytest.raises(StreamFailure):  # a form coarser than the floor does not stand in for a lost one
+        stream_chunks([3], [only_coarse], fetch=lambda c, o: fetch(1, o), missing=(Gone,), **kw)
+    with pytest.raises(StreamFailure) as err:  # without ``missing`` it stops the stream, as any failure
+        stream_chunks([0, 1], [stored] * 2, fetch=fetch, **kw)
+    assert err.value.index == 1 and isinstance(err.value.cause, Gone)

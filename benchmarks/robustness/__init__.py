@@ -31,6 +31,7 @@ from benchmarks.robustness.plumbing import DelayProxy, HookedStore, redis_server
 from benchmarks.robustness.stores import (
     scenario_diskcache_full,
     scenario_read_only_dir,
+    scenario_redis_cluster_failover,
     scenario_redis_killed_mid_stream,
     scenario_redis_restarted,
     scenario_slow_redis,
@@ -40,5 +41,5 @@ __all__ = [
     "CHUNK", "HANG_S", "NEW_TOKENS", "Bench", "DelayProxy", "HookedStore", "Tally", "WarningCounter", "corruptions",
     "counting_warnings", "plant", "prompt", "redis_server", "scenario_concurrent", "scenario_corrupted_blob",
     "scenario_diskcache_full", "scenario_foreign_blob", "scenario_fuzz", "scenario_libfuzzer", "scenario_other_codec_blob",
-    "scenario_read_only_dir", "scenario_redis_killed_mid_stream", "scenario_redis_restarted", "scenario_slow_redis",
+    "scenario_read_only_dir", "scenario_redis_cluster_failover", "scenario_redis_killed_mid_stream", "scenario_redis_restarted", "scenario_slow_redis",
 ]  # fmt: skip

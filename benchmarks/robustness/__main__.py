@@ -20,6 +20,7 @@ ENGINE_SCENARIOS: dict[str, Callable[[R.Bench], dict[str, Any]]] = {
     "corrupted blob in store": R.scenario_corrupted_blob,
     "redis killed mid-stream": R.scenario_redis_killed_mid_stream,
     "redis restarted": R.scenario_redis_restarted,
+    "redis cluster failover": R.scenario_redis_cluster_failover,
     "slow redis": R.scenario_slow_redis,
     "diskcache full": R.scenario_diskcache_full,
     "read-only cache dir": R.scenario_read_only_dir,

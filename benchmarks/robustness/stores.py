@@ -1,4 +1,4 @@
-"""Failing stores: redis killed mid-stream, restarted, slow and stuck; diskcache full; a read-only cache directory."""
+"""Failing stores: redis killed mid-stream, restarted, a cluster master killed, slow and stuck; diskcache full; a read-only cache directory."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.robustness.bench import HANG_S, Bench, Tally, counting_warnings, prompt
+from benchmarks.robustness.bench import CHUNK, HANG_S, Bench, Tally, counting_warnings, prompt
 from benchmarks.robustness.plumbing import DelayProxy, HookedStore, redis_server
+from cachegen_core.engine import KVEngine
 from cachegen_core.stores import DiskCacheStore, RedisStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +62,40 @@ def scenario_redis_restarted(bench: Bench) -> dict[str, Any]:
         tally.ask(bench, eng, text)  # stale pooled connection: one retry reconnects; the cache is empty
         info = tally.ask(bench, eng, text)
         tally.extra["cached_tokens_after_restart"] = info.cached_tokens if info else None
+    return tally.row(w)
+
+
+def scenario_redis_cluster_failover(bench: Bench) -> dict[str, Any]:
+    """A Redis Cluster (3 masters, 3 replicas) loses a master right after the first chunk of a hit is fetched;
+    requests keep coming while a replica takes over (the exact form stored: every answer must be the model's own)."""
+    from cachegen_core.testing.redis_cluster import running_redis_cluster  # noqa: PLC0415
+
+    tally = Tally("redis cluster master killed mid-stream")
+    with running_redis_cluster() as cluster, counting_warnings() as w:
+        killed: list[Any] = []
+
+        def kill_after_first_get(key: str, value: bytes | None) -> None:
+            if not killed and not key.endswith("-M"):  # after the first blob, not the manifests
+                killed.append((cluster.kill_master(), time.monotonic()))
+
+        store = RedisStore(cluster.url, socket_timeout=1.0)
+        eng = KVEngine(bench.model, bench.tokenizer, store=store, chunk_tokens=CHUNK, level="lossless",
+                       store_options=["lossless"], background=False, allow_text=False)  # fmt: skip
+        texts = [prompt(s) for s in (180, 181, 182)]
+        for text in texts:  # misses: stored, and replicated before the kill
+            tally.ask(bench, eng, text)
+        cluster.wait_ok()
+        eng.store = HookedStore(store, on_get=kill_after_first_get)
+        info = tally.ask(bench, eng, texts[0])  # a hit that loses a master under its stream
+        tally.extra["cached_tokens_while_dying"] = info.cached_tokens if info else None
+        eng.store = store
+        resumed = None
+        while resumed is None and time.monotonic() - killed[0][1] < 30:  # until every prompt is reused whole again
+            infos = [tally.ask(bench, eng, text) for text in texts]
+            if all(i is not None and i.cached_tokens == 3 * CHUNK for i in infos):
+                resumed = time.monotonic() - killed[0][1]
+        tally.extra["master_failed_over"] = cluster.roles().get(killed[0][0].address) == "fail"
+        tally.extra["reuse_back_after_s"] = None if resumed is None else round(resumed, 2)
     return tally.row(w)
 
 

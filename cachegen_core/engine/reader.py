@@ -147,7 +147,7 @@ class ChunkReader:
         """The manifest in ``data`` when it names an option at least as fine as ``floor`` (and among
         ``options``, when given); None when absent, unusable or bad (a bad one reported as
         ``bad manifest for <what>``)."""
-        if data is None:
+        if not data:  # absent (or empty: see ``fetch``)
             return None
         try:
             manifest = Manifest.from_bytes(data)
@@ -191,7 +191,7 @@ class ChunkReader:
             blob = read_into(name, reads.buffer(size))
         else:
             blob = self.store.get(name)
-        if blob is None:
+        if not blob:  # None, or empty: the read raced an eviction on a cluster (``RedisStore``); no blob is empty
             raise BlobMissing(f"chunk {key[:12]} as {option} is not in the store")
         known = self._verified.get(name)
         if known is not None and known[0] is blob:
@@ -347,8 +347,10 @@ class ChunkReader:
         """``stream_batch`` over stored chunks (``requests``: chunk keys; ``manifests``: each key's; ``tokens``: its
         token count), with what every stream of this reader shares: the cost model (planned with, and after the
         stream the options offered but not used relaxed towards their priors: ``CostModel.relax``), the verified
-        blobs of a store that shares its objects and the read buffers (see ``fetch``). Returns the records, and the
-        failure that stopped the stream, if any (its records then are those before it)."""
+        blobs of a store that shares its objects and the read buffers (see ``fetch``). A form the manifest names but
+        the store no longer holds (a raw form its raw tier evicted: ``stores/tiers.py``) is replaced by the next one
+        the controller picks, the level or text. Returns the records, and the failure that stopped the stream, if any
+        (its records then are those before it)."""
         def cost(key: str) -> ChunkCost:
             sizes = {o: n for o, n in manifests[key].sizes.items() if o in controller.options}
             return self.cost_model.chunk_cost(tokens(key), sizes)
@@ -359,7 +361,7 @@ class ChunkReader:
         try:
             records = stream_batch(requests, cost, fetch=lambda k, o: self.fetch(k, o, reads, manifests[k].sizes.get(o, 0)),
                                    decode=decode, on_text=on_text, controller=controller, estimator=estimator,
-                                   overlap=not getattr(self.store, "shares_values", False)).plan.records  # fmt: skip
+                                   overlap=not getattr(self.store, "shares_values", False), missing=(BlobMissing,)).plan.records  # fmt: skip
         except StreamFailure as f:  # its buffers are not kept: a fetch the driver left running may still write into one
             failure, records = f, f.partial.trace
         else:

@@ -1,10 +1,12 @@
 """KV stores: bytes in, bytes out, every failure a ``StoreError``.
 
 ``DiskCacheStore`` is the default (local disk, size-limited); ``RedisStore`` shares one
-cache between serving machines; ``MemoryStore`` is for tests and single processes.
-``SignedStore`` wraps any of them to authenticate every value with a deployment key;
-``open_store`` opens one from a URL (``disk``, a directory, ``memory``, ``redis(s)://``);
-``admin`` lists and evicts chunks (``cachegen stats`` / ``cachegen gc``).
+cache between serving machines (one server or a Redis Cluster); ``MemoryStore`` is for tests
+and single processes. A bounded store keeps two tiers (``tiers``): levels its capacity, raw
+forms in the room they leave. ``SignedStore`` wraps any of them to authenticate every value with a
+deployment key; ``open_store`` opens one from a URL (``disk``, a directory, ``memory``,
+``redis(s)://``, ``redis(s)-cluster://``); ``admin`` lists and evicts chunks (``cachegen stats`` /
+``cachegen gc``).
 ``RedisStore`` needs redis-py (``pip install 'langchain-cachegen[redis]'``), so it is
 imported on first use: the other stores work without it.
 

@@ -6,7 +6,9 @@ manifest's (the entry the engine looks up on every request), else its newest ent
 on disk the time since it was stored, on Redis since it was last read or written (the
 listing itself reads nothing, see ``RedisStore.entries``). Blob headers are read only
 for what needs them (models by fingerprint), a bounded prefix at a time. Keys of
-another shape in the namespace are counted as ``other`` and never touched.
+another shape in the namespace are counted as ``other`` and never touched. Both report per
+tier (``tiers.py``): the raw forms, and the rest (manifests, levels, other keys); ``gc`` with
+``tier="raw"`` drops raw forms only (each by its own age), leaving every chunk a hit at its level.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..errors import CacheGenFormatError
 from ..codec.format import read_header
 from .base import KVStore
 from .signed import unwrap
+from .tiers import CAPACITY_TIER, RAW_TIER
 
 KEY_RE = re.compile(r"^(?P<chunk>[0-9a-f]{64})-(?:(?P<manifest>M)|L(?P<level>\d{1,2}|raw|lossless))$")
 #: Bytes read to parse a blob's header (a header is ~1 KiB; a longer one is read whole).
@@ -37,6 +40,12 @@ class ChunkEntries:
     levels: dict[int | str, int] = field(default_factory=dict)
     age_s: float | None = None
     newest_s: float | None = None
+    raw_ages: dict[str, float | None] = field(default_factory=dict)
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of its raw forms (the raw tier's)."""
+        return sum(n for lv, n in self.levels.items() if isinstance(lv, str))
 
     @property
     def bytes(self) -> int:
@@ -86,6 +95,8 @@ def scan(store: KVStore) -> Scan:
         else:
             lv = m["level"]
             c.levels[int(lv) if lv.isdigit() else lv] = size
+            if not lv.isdigit():
+                c.raw_ages[lv] = age
         if age is not None and (c.newest_s is None or age < c.newest_s):
             c.newest_s = age
     for c in out.chunks.values():
@@ -147,7 +158,11 @@ def stats(store: KVStore, *, headers: bool = True) -> dict[str, Any]:
         "other_keys": s.other_keys,
         "oldest_chunk_age_s": max(ages) if ages else None,
         "newest_chunk_age_s": min(ages) if ages else None,
+        "tiers": tiers(s),
     }
+    budget = getattr(unwrap(store), "budget", None)
+    if budget is not None:
+        out["budget"] = budget()
     if headers:
         models: dict[str, dict[str, int]] = defaultdict(lambda: {"chunks": 0, "bytes": 0})
         for c in s.chunks.values():
@@ -158,28 +173,46 @@ def stats(store: KVStore, *, headers: bool = True) -> dict[str, Any]:
     return out
 
 
+def tiers(s: Scan) -> dict[str, dict[str, int]]:
+    """Entries and bytes of each tier: the raw forms, and the rest."""
+    raw_blobs = sum(len(c.raw_ages) for c in s.chunks.values())
+    raw_bytes = sum(c.raw_bytes for c in s.chunks.values())
+    entries = sum(len(c.keys) for c in s.chunks.values()) + s.other_keys
+    return {RAW_TIER: {"entries": raw_blobs, "bytes": raw_bytes},
+            CAPACITY_TIER: {"entries": entries - raw_blobs, "bytes": s.bytes - raw_bytes}}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class GcPolicy:
     """What ``gc`` evicts: chunks older than ``max_age_s``, of a model whose fingerprint starts with
     ``model``, without a manifest (``orphans``, once older than ``orphan_grace_s``), then the oldest
-    until the store holds at most ``max_bytes``."""
+    until the store holds at most ``max_bytes``. ``tier="raw"``: raw forms only (the age each one's
+    own, ``max_bytes`` the raw tier's), their chunks left stored at their levels."""
 
     max_age_s: float | None = None
     max_bytes: int | None = None
     model: str | None = None
     orphans: bool = False
     orphan_grace_s: float = 600.0
+    tier: str = "all"
 
     def __post_init__(self) -> None:
         if self.model is not None and len(self.model) < 8:
             raise ValueError("give at least 8 characters of the model fingerprint")
         if (self.max_age_s, self.max_bytes, self.model, self.orphans) == (None, None, None, False):
             raise ValueError("nothing to collect: give an age, a size, a model or orphans")
+        if self.tier not in ("all", RAW_TIER):
+            raise ValueError(f"tier must be 'all' or 'raw', got {self.tier!r}")
+        if self.tier == RAW_TIER and self.orphans:
+            raise ValueError("orphans are whole chunks: not with tier='raw'")
 
 
 def gc(store: KVStore, policy: GcPolicy, *, dry_run: bool = False) -> dict[str, Any]:
-    """Evict the chunks ``policy`` selects (whole chunks, manifest first); what was (or would be) deleted."""
+    """Evict the chunks ``policy`` selects (whole chunks, manifest first; or their raw forms alone with
+    ``tier="raw"``); what was (or would be) deleted."""
     s = scan(store)
+    if policy.tier == RAW_TIER:
+        return _gc_raw(store, s, policy, dry_run)
     reasons: dict[str, str] = {}
     for c in s.chunks.values():
         if policy.max_age_s is not None and c.age_s is not None and c.age_s >= policy.max_age_s:
@@ -217,4 +250,42 @@ def gc(store: KVStore, policy: GcPolicy, *, dry_run: bool = False) -> dict[str, 
         "chunks_left": len(s.chunks) - len(victims),
         "bytes_left": left,
         "unknown_ages": sum(c.age_s is None for c in s.chunks.values()),
+    }
+
+
+def _gc_raw(store: KVStore, s: Scan, policy: GcPolicy, dry_run: bool) -> dict[str, Any]:
+    """``gc`` of the raw tier: raw forms by age and model, then the oldest until it holds ``max_bytes``."""
+    blobs = [(c, form, c.levels[form], age) for c in s.chunks.values() for form, age in c.raw_ages.items()]
+    reasons: dict[str, str] = {}
+    for c, form, _, age in blobs:
+        key = f"{c.chunk}-L{form}"
+        if policy.max_age_s is not None and age is not None and age >= policy.max_age_s:
+            reasons[key] = "age"
+        elif policy.model is not None and (chunk_model(store, c) or "").startswith(policy.model):
+            reasons[key] = "model"
+    size = {f"{c.chunk}-L{form}": n for c, form, n, _ in blobs}
+    left = sum(size.values()) - sum(size[k] for k in reasons)
+    if policy.max_bytes is not None:
+        for c, form, n, _ in sorted(blobs, key=lambda b: -1.0 if b[3] is None else b[3], reverse=True):
+            if left <= policy.max_bytes:
+                break
+            if f"{c.chunk}-L{form}" not in reasons:
+                reasons[f"{c.chunk}-L{form}"] = "size"
+                left -= n
+    if not dry_run:
+        keys = list(reasons)
+        for i in range(0, len(keys), 200):  # the manifests still name them: a reader takes the next form
+            unwrap(store).delete_many(keys[i : i + 200])
+    by_reason: dict[str, int] = defaultdict(int)
+    for r in reasons.values():
+        by_reason[r] += 1
+    return {
+        "store": repr(unwrap(store)),
+        "dry_run": dry_run,
+        "tier": RAW_TIER,
+        "blobs_deleted": len(reasons),
+        "bytes_freed": sum(size[k] for k in reasons),
+        "by_reason": dict(by_reason),
+        "raw_bytes_left": left,
+        "unknown_ages": sum(a is None for *_, a in blobs),
     }

@@ -1,4 +1,4 @@
-"""``DiskCacheStore``: the default store, on local disk via diskcache, with a size limit.
+"""``DiskCacheStore``: the default store, on local disk via diskcache, with a size limit in two tiers.
 
 Values are stored as raw bytes (small ones inline in SQLite, larger ones in files
 that are fully written before the row pointing at them is committed), so a reader
@@ -6,6 +6,12 @@ sees a whole blob or nothing. The ``Disk`` used here refuses to store or load
 anything but ``str`` keys and ``bytes`` values: a serialised-object row planted in the cache
 directory is rejected, never deserialised, and a file-backed value must lie inside the
 directory and be no larger than ``max_value_bytes``.
+
+The size limit is kept in two tiers (``tiers.py``): raw forms and the rest, each least recently
+used first, raw forms first (but for a reserve, ``raw_share``); this store culls them itself
+(diskcache's own eviction is off). A read is not a write: the times of reads are kept in memory
+and written to the database with the next write that needs room (so reads keep working on a
+read-only directory, and a process that only reads does not move entries up).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,11 +32,14 @@ from diskcache.core import MODE_BINARY, MODE_RAW
 from ..errors import StoreError
 from ..paths import cache_dir
 from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
+from .tiers import CAPACITY_TIER, DEFAULT_RAW_SHARE, RAW_TIER, check_share, chunk_of, eviction_plan, tier_of
 
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 DEFAULT_SIZE_LIMIT = 10 * GiB
+#: Reads remembered between two culls (the oldest are forgotten past this).
+MAX_TOUCHED = 1 << 14
 
 
 def default_directory() -> Path:
@@ -93,10 +103,10 @@ class _BytesDisk(diskcache.Disk):
 class DiskCacheStore(BaseKVStore):
     """A ``KVStore`` on a diskcache ``Cache`` directory, shared safely by threads and processes.
 
-    ``size_limit`` bounds the cache's bytes on disk (oldest-stored entries are culled
-    first by default: reads then need no write lock and keep working on a read-only
-    directory). ``timeout`` bounds how long an operation waits on a locked database.
-    Extra keyword arguments are diskcache settings (e.g. ``eviction_policy``).
+    ``size_limit`` bounds the cache's bytes on disk (values and database). ``raw_share``: a
+    share of it kept for raw forms even when levels want it (see the module doc; default none);
+    ``None``: no tiers, diskcache culls by its ``eviction_policy`` (default: oldest stored first). ``timeout`` bounds how long an
+    operation waits on a locked database. Extra keyword arguments are diskcache settings.
     """
 
     local = True
@@ -106,6 +116,7 @@ class DiskCacheStore(BaseKVStore):
         directory: str | os.PathLike[str] | None = None,
         *,
         size_limit: int = DEFAULT_SIZE_LIMIT,
+        raw_share: float | None = DEFAULT_RAW_SHARE,
         namespace: str = DEFAULT_NAMESPACE,
         max_value_bytes: int | None = None,
         timeout: float = 5.0,
@@ -117,7 +128,13 @@ class DiskCacheStore(BaseKVStore):
         super().__init__(namespace, max_value_bytes)
         self.directory = Path(directory) if directory is not None else default_directory()
         self.size_limit = size_limit
-        settings.setdefault("eviction_policy", "least-recently-stored")
+        self.raw_share = check_share(raw_share)
+        if self.raw_share is None:
+            settings.setdefault("eviction_policy", "least-recently-stored")
+        elif settings.setdefault("eviction_policy", "none") != "none":
+            raise ValueError("eviction_policy is diskcache's, used without tiers: give raw_share=None with it")
+        self._touched: dict[str, float] = {}  # full key -> time of its last read not yet in the database
+        self._touch_lock = threading.Lock()
         with self._errors("open"):
             self.directory.mkdir(parents=True, exist_ok=True)
             self._cache = diskcache.Cache(
@@ -141,10 +158,29 @@ class DiskCacheStore(BaseKVStore):
         with self._errors("volume"):
             return int(self._cache.volume())
 
+    def budget(self) -> dict[str, int | float | None]:
+        """The byte budget and the raw tier's share of it (for ``cachegen stats``)."""
+        return {"limit": self.size_limit, "raw_share": self.raw_share}
+
+    def _read(self, fulls: Sequence[str], values: Sequence[object]) -> None:
+        """Remember the reads that found a value (tiers only: diskcache keeps its own times otherwise)."""
+        if self.raw_share is None:
+            return
+        now = time.time()
+        with self._touch_lock:
+            for full, value in zip(fulls, values):
+                if value is not None:
+                    self._touched.pop(full, None)
+                    self._touched[full] = now
+            while len(self._touched) > MAX_TOUCHED:
+                del self._touched[next(iter(self._touched))]
+
     def get(self, key: str) -> bytes | None:
         full = self._full(key)
         with self._errors("get"):
-            return self._cache.get(full, default=None, retry=False)
+            value = self._cache.get(full, default=None, retry=False)
+        self._read([full], [value])
+        return value
 
     def read_into(self, key: str, buffer: bytearray) -> memoryview | bytes | None:
         """The value of ``key``, read into ``buffer`` when it is a file that fits (a view of its first bytes),
@@ -158,6 +194,7 @@ class DiskCacheStore(BaseKVStore):
                 return self.get(key)
             if f is None:
                 return None
+            self._read([full], [f])
             with f:
                 n = os.fstat(f.fileno()).st_size
                 if n > len(buffer):
@@ -169,18 +206,22 @@ class DiskCacheStore(BaseKVStore):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         fulls = [self._full(k) for k in keys]
         with self._errors("get_many"):
-            return [self._cache.get(f, default=None, retry=False) for f in fulls]
+            values = [self._cache.get(f, default=None, retry=False) for f in fulls]
+        self._read(fulls, values)
+        return values
 
     def put(self, key: str, value: bytes) -> None:
         full, data = self._full(key), self._value(value)
         with self._errors("put"):
             self._cache.set(full, data, retry=False)
+            self._cull()
 
     def put_many(self, items: Items) -> None:
         pairs = [(self._full(k), self._value(v)) for k, v in iter_items(items)]
         with self._errors("put_many"):
             for full, data in pairs:
                 self._cache.set(full, data, retry=False)
+            self._cull()
 
     def contains(self, key: str) -> bool:
         full = self._full(key)
@@ -198,16 +239,48 @@ class DiskCacheStore(BaseKVStore):
             matched = [self._strip(k) for k in self._cache.iterkeys() if isinstance(k, str) and k.startswith(start)]
         yield from matched
 
+    def _rows(self) -> list[tuple[str, int, float]]:
+        """(full key, bytes, time of its last use) of every entry: diskcache's own table (inline values have
+        size 0, their length is the row's), with the reads not yet written (without tiers: its stored time)."""
+        rows = self._cache._sql(
+            "SELECT key, CASE WHEN filename IS NULL THEN length(value) ELSE size END, access_time FROM Cache WHERE raw = 1"
+        ).fetchall()
+        with self._touch_lock:
+            touched = dict(self._touched)
+        return [(k, int(n or 0), max(t or 0.0, touched.get(k, 0.0))) for k, n, t in rows if isinstance(k, str)]
+
     def entries(self, prefix: str = "") -> Iterator[tuple[str, int, float | None]]:
-        """(key, bytes, seconds since it was stored) of every entry whose key starts with ``prefix``."""
+        """(key, bytes, seconds since it was last used: read or written; without tiers, since it was stored)
+        of every entry whose key starts with ``prefix``."""
         start = self._full(prefix)
         with self._errors("entries"):
-            rows = self._cache._sql(  # diskcache's own table: inline values have size 0, their length is the row's
-                "SELECT key, CASE WHEN filename IS NULL THEN length(value) ELSE size END, store_time FROM Cache WHERE raw = 1"
-            ).fetchall()
+            rows = self._rows()
         now = time.time()
-        yield from ((self._strip(k), int(n or 0), max(0.0, now - t)) for k, n, t in rows
-                    if isinstance(k, str) and k.startswith(start))  # fmt: skip
+        yield from ((self._strip(k), n, max(0.0, now - t)) for k, n, t in rows if k.startswith(start))
+
+    def _cull(self) -> None:
+        """Bring the cache within ``size_limit`` (tiers only, see the module doc): write the reads kept in memory,
+        then evict raw forms one at a time and other entries a whole chunk at a time, least recently used first."""
+        if self.raw_share is None or self._cache.volume() <= self.size_limit:
+            return
+        with self._touch_lock:
+            touched, self._touched = self._touched, {}
+        if touched:
+            with self._cache.transact(retry=False):
+                self._cache._con.executemany("UPDATE Cache SET access_time = ? WHERE key = ? AND raw = 1",
+                                             [(t, k) for k, t in touched.items()])  # fmt: skip
+        rows = self._rows()
+        raw = [(k, n) for k, n, t in sorted(rows, key=lambda r: r[2]) if tier_of(k) == RAW_TIER]
+        units: dict[str, list[tuple[str, int]]] = {}
+        last: dict[str, float] = {}
+        for k, n, t in rows:
+            if tier_of(k) == CAPACITY_TIER:
+                units.setdefault(stem := chunk_of(k), []).append((k, n))
+                last[stem] = max(last.get(stem, 0.0), t)
+        overhead = self._cache.volume() - sum(n for _, n, _ in rows)  # the database's own pages
+        victims = eviction_plan(self.size_limit, self.raw_share, raw, sorted(units.items(), key=lambda u: last[u[0]]), overhead)
+        for k in victims:
+            self._cache.delete(k, retry=False)
 
     def close(self) -> None:
         with self._errors("close"):

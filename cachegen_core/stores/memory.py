@@ -1,4 +1,4 @@
-"""``MemoryStore``: a thread-safe in-process store with an optional LRU byte limit."""
+"""``MemoryStore``: a thread-safe in-process store with an optional byte budget, in two tiers (``tiers.py``)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ from collections.abc import Iterator, Sequence
 
 from ..errors import StoreError
 from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
+from .tiers import CAPACITY_TIER, DEFAULT_RAW_SHARE, RAW_TIER, Tier, check_share, chunk_of, raw_keys, tier_of, yielding_tier
 
 
 class MemoryStore(BaseKVStore):
-    """Values in a dict, least recently used evicted first once ``max_bytes`` is exceeded.
+    """Values in dicts, least recently used evicted first once ``max_bytes`` is exceeded.
 
     ``max_bytes`` counts value bytes; ``None`` means unbounded. A single value larger
-    than ``max_bytes`` is refused with ``StoreError``.
+    than ``max_bytes`` is refused with ``StoreError``. Two tiers (``tiers.py``): raw forms are
+    evicted first, one at a time, the rest a whole chunk at a time; ``raw_share``: a share of
+    ``max_bytes`` kept for raw forms all the same (default none); ``None``: one plain LRU over every key.
     """
 
     local = True
@@ -24,6 +27,7 @@ class MemoryStore(BaseKVStore):
         self,
         max_bytes: int | None = None,
         *,
+        raw_share: float | None = DEFAULT_RAW_SHARE,
         namespace: str = DEFAULT_NAMESPACE,
         max_value_bytes: int | None = None,
     ) -> None:
@@ -33,36 +37,91 @@ class MemoryStore(BaseKVStore):
             max_value_bytes = max_bytes if max_value_bytes is None else min(max_bytes, max_value_bytes)
         super().__init__(namespace, max_value_bytes)
         self.max_bytes = max_bytes
-        self._data: OrderedDict[str, bytes] = OrderedDict()
-        self._bytes = 0
+        self.raw_share = check_share(raw_share)
+        self._raw: OrderedDict[str, bytes] = OrderedDict()  # the raw tier, least recently used first
+        self._units: OrderedDict[str, dict[str, bytes]] = OrderedDict()  # the capacity tier: chunk -> its values
+        self._bytes = {RAW_TIER: 0, CAPACITY_TIER: 0}
         self._lock = threading.Lock()
         self._closed = False
 
     @property
     def total_bytes(self) -> int:
         """Bytes of values held now."""
-        return self._bytes
+        return self._bytes[RAW_TIER] + self._bytes[CAPACITY_TIER]
+
+    @property
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes of values held now in each tier."""
+        return dict(self._bytes)
+
+    def budget(self) -> dict[str, int | float | None]:
+        """The byte budget and the raw tier's share of it (for ``cachegen stats``)."""
+        return {"limit": self.max_bytes, "raw_share": self.raw_share if self.max_bytes is not None else None}
+
+    def _tier(self, full: str) -> Tier:
+        return tier_of(full) if self.raw_share is not None else CAPACITY_TIER
+
+    def _unit(self, full: str) -> str:
+        return chunk_of(full) if self.raw_share is not None else full
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("MemoryStore is closed")
 
     def _get_locked(self, full: str) -> bytes | None:
-        value = self._data.get(full)
+        if self._tier(full) == RAW_TIER:
+            value = self._raw.get(full)
+            if value is not None:
+                self._raw.move_to_end(full)
+            return value
+        unit = self._unit(full)
+        values = self._units.get(unit)
+        value = values.get(full) if values is not None else None
         if value is not None:
-            self._data.move_to_end(full)
+            self._units.move_to_end(unit)
         return value
 
-    def _put_locked(self, full: str, value: bytes) -> None:
-        old = self._data.pop(full, None)
+    def _pop_locked(self, full: str) -> bytes | None:
+        if self._tier(full) == RAW_TIER:
+            old = self._raw.pop(full, None)
+            tier = RAW_TIER
+        else:
+            unit, tier = self._unit(full), CAPACITY_TIER
+            values = self._units.get(unit)
+            old = values.pop(full, None) if values is not None else None
+            if values is not None and not values:
+                del self._units[unit]
         if old is not None:
-            self._bytes -= len(old)
-        self._data[full] = value
-        self._bytes += len(value)
+            self._bytes[tier] -= len(old)
+        return old
+
+    def _put_locked(self, full: str, value: bytes) -> None:
+        self._pop_locked(full)
+        tier = self._tier(full)
+        if tier == RAW_TIER:
+            self._raw[full] = value
+        else:
+            unit = self._unit(full)
+            self._units.setdefault(unit, {})[full] = value
+            self._units.move_to_end(unit)
+        self._bytes[tier] += len(value)
         if self.max_bytes is not None:
-            while self._bytes > self.max_bytes:
-                _, evicted = self._data.popitem(last=False)
-                self._bytes -= len(evicted)
+            self._evict_locked(self.max_bytes)
+
+    def _evict_locked(self, limit: int) -> None:
+        share = self.raw_share if self.raw_share is not None else 0.0
+        while (tier := yielding_tier(limit, share, self._bytes[RAW_TIER], self._bytes[CAPACITY_TIER])) is not None:
+            if tier == RAW_TIER:
+                _, old = self._raw.popitem(last=False)
+                self._bytes[RAW_TIER] -= len(old)
+                continue
+            unit, values = self._units.popitem(last=False)  # a whole chunk: manifest, levels, and its raw forms
+            self._bytes[CAPACITY_TIER] -= sum(len(v) for v in values.values())
+            if self.raw_share is not None:
+                for key in raw_keys(unit):
+                    old = self._raw.pop(key, None)
+                    if old is not None:
+                        self._bytes[RAW_TIER] -= len(old)
 
     def get(self, key: str) -> bytes | None:
         full = self._full(key)
@@ -93,21 +152,26 @@ class MemoryStore(BaseKVStore):
         full = self._full(key)
         with self._lock:
             self._check_open()
-            return full in self._data
+            if self._tier(full) == RAW_TIER:
+                return full in self._raw
+            return full in self._units.get(self._unit(full), ())
 
     def delete(self, key: str) -> None:
         full = self._full(key)
         with self._lock:
             self._check_open()
-            old = self._data.pop(full, None)
-            if old is not None:
-                self._bytes -= len(old)
+            self._pop_locked(full)
+
+    def _items_locked(self) -> Iterator[tuple[str, bytes]]:
+        yield from self._raw.items()
+        for values in self._units.values():
+            yield from values.items()
 
     def keys(self, prefix: str = "") -> Iterator[str]:
         start = self._full(prefix)
         with self._lock:
             self._check_open()
-            matched = [self._strip(k) for k in self._data if k.startswith(start)]
+            matched = [self._strip(k) for k, _ in self._items_locked() if k.startswith(start)]
         yield from matched
 
     def entries(self, prefix: str = "") -> Iterator[tuple[str, int, float | None]]:
@@ -115,14 +179,15 @@ class MemoryStore(BaseKVStore):
         start = self._full(prefix)
         with self._lock:
             self._check_open()
-            matched = [(self._strip(k), len(v), None) for k, v in self._data.items() if k.startswith(start)]
+            matched = [(self._strip(k), len(v), None) for k, v in self._items_locked() if k.startswith(start)]
         yield from matched
 
     def close(self) -> None:
         with self._lock:
-            self._data.clear()
-            self._bytes = 0
+            self._raw.clear()
+            self._units.clear()
+            self._bytes = {RAW_TIER: 0, CAPACITY_TIER: 0}
             self._closed = True
 
     def __len__(self) -> int:
-        return len(self._data)
+        return len(self._raw) + sum(len(v) for v in self._units.values())

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
-from .controller import TEXT, ChunkCost, Controller, Decision, Option, compute_seconds
+from .controller import TEXT, ChunkCost, Controller, Decision, Option, compute_seconds, rank
 from .estimators import Estimator
 
 C = TypeVar("C", bound=Hashable)
@@ -129,6 +129,7 @@ def stream_chunks(
     n_requests: int = 1,
     clock: Callable[[], float] = time.perf_counter,
     overlap: bool = True,
+    missing: tuple[type[BaseException], ...] = (),
 ) -> StreamResult[T]:
     """Stream ``chunk_ids`` in order, choosing each one's option; fetch i+1 overlaps decode i.
 
@@ -147,9 +148,19 @@ def stream_chunks(
     ``overlap=False``: each fetch runs on the calling thread when planned, for a store whose fetch costs
     nothing (it hands back an object it holds): there a thread's start and hand-offs were the only
     fetch time (0.7 of the 1.5 ms the memory store's 7.5K request spent beside fp16's copies).
+    A fetch raising one of ``missing`` (the form is no longer stored: a tiered store evicted a raw
+    form before the chunk's level) is not a failure while the chunk has another stored form the
+    controller may take: the chunk is planned again without that option.
     """
     ids = list(chunk_ids)
-    cost_of: Callable[[int], ChunkCost] = (lambda i: costs(ids[i])) if callable(costs) else (lambda i: costs[i])  # type: ignore[index,arg-type,operator]
+    given: Callable[[int], ChunkCost] = (lambda i: costs(ids[i])) if callable(costs) else (lambda i: costs[i])  # type: ignore[index,arg-type,operator]
+    lost: dict[int, set[Option]] = {}  # options a fetch found missing, per stream position
+
+    def cost_of(i: int) -> ChunkCost:
+        c = given(i)
+        if i not in lost:
+            return c
+        return ChunkCost({o: n for o, n in c.sizes.items() if o not in lost[i]}, c.decode_s, c.tokens)
     start = clock()
     records: list[ChunkRecord] = []
     parts: list[T] = []
@@ -177,14 +188,22 @@ def stream_chunks(
         for i, chunk in enumerate(ids):
             blob: Sized = b""
             fetch_s = 0.0
-            if decision.option != TEXT:
+            while decision.option != TEXT:
                 assert pending is not None
                 try:
                     blob, fetch_s = pending.result()
+                except missing as e:
+                    lost.setdefault(i, set()).add(decision.option)
+                    if not _usable(cost_of(i), controller):  # no stored form left: a plain miss from here
+                        raise StreamFailure(i, chunk, e, result()) from e
+                    decision = plan(i, 0.0)  # the previous chunk is done: nothing is busy
+                    pending = pool.submit(timed_fetch, chunk, decision.option) if decision.option != TEXT else None
+                    continue
                 except Exception as e:
                     raise StreamFailure(i, chunk, e, result()) from e
                 if not controller.serial or i == 0:
                     estimator.update(len(blob), fetch_s)
+                break
             nxt: Decision | None = None
             if i + 1 < len(ids):  # plan and start the next fetch now: it overlaps this chunk's decode or prefill
                 nxt = plan(i + 1, compute_seconds(cost_of(i), decision.option, controller.prefill_s_per_token, n_requests))
@@ -204,6 +223,12 @@ def stream_chunks(
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # after a failure, do not wait for an orphan fetch
     return result()
+
+
+def _usable(cost: ChunkCost, controller: Controller) -> bool:
+    """Whether ``cost`` names a stored option the controller may take (without a deadline: as fine as its floor)."""
+    finest = controller.floor if controller.floor is not None else controller.options[0]
+    return any(o in cost.sizes and (controller.slo_s is not None or rank(o) <= rank(finest)) for o in controller.options)
 
 
 def unique_in_order(requests: Sequence[Sequence[C]]) -> list[C]:
@@ -226,6 +251,7 @@ def stream_batch(
     estimator: Estimator,
     clock: Callable[[], float] = time.perf_counter,
     overlap: bool = True,
+    missing: tuple[type[BaseException], ...] = (),
 ) -> BatchResult[T]:
     """Stream the chunks of requests that arrived together as one stream; a shared chunk goes once.
 
@@ -236,12 +262,13 @@ def stream_batch(
     every request, a shared chunk once, so the expected delay grows with the batch without
     the ``n_requests`` scaling (which stands in for chunks it cannot see, and would count
     these twice); ``plan.n_requests`` records the batch size. Failures raise
-    :class:`StreamFailure` whose ``partial`` follows the order of the shared stream.
+    :class:`StreamFailure` whose ``partial`` follows the order of the shared stream; a fetch raising one
+    of ``missing`` is planned again without that option (see :func:`stream_chunks`).
     """
     order = unique_in_order(requests)
     cost_of = costs if callable(costs) else costs.__getitem__
     res = stream_chunks(order, cost_of, fetch=fetch, decode=decode, on_text=on_text, controller=controller,
-                        estimator=estimator, clock=clock, overlap=overlap)  # fmt: skip
+                        estimator=estimator, clock=clock, overlap=overlap, missing=missing)  # fmt: skip
     part_of = dict(zip(order, res.parts))
     plan = StreamPlan(res.plan.records, res.plan.seconds, res.plan.slo_s, len(requests))
     return BatchResult([[part_of[c] for c in chunks] for chunks in requests], plan)

@@ -3,6 +3,7 @@
 - ``tiny``: tiny random-init Llama models, a word-level tokenizer and prompts for them;
 - ``families``: a tiny random-init model of every decoder family the compatibility matrix checks;
 - ``redis_server``: real ``redis-server`` processes on a free loopback port;
+- ``redis_cluster``: a real Redis Cluster of them (``redis-cli --cluster create``), for failover tests;
 - ``fuzz``: the structured fuzzer of the decoders, libFuzzer and atheris targets;
 - ``tolerance``: how far floats computed along two different paths may differ.
 

@@ -56,6 +56,7 @@ class RedisServer:
         self.binary = binary
         self.password = password
         self.tls = tls
+        self.extra_args: list[str] = []  # more ``--option value`` pairs (a cluster node's, ``redis_cluster.py``)
         self.workdir = tempfile.mkdtemp(prefix="cachegen-redis-")
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -86,7 +87,7 @@ class RedisServer:
             args += ["--port", str(self.port)]
         if self.password:
             args += ["--requirepass", self.password]
-        return args
+        return args + self.extra_args
 
     def start(self) -> None:
         """Start (or restart on the same port) and wait until it answers PING."""
