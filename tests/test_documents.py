@@ -84,7 +84,8 @@ def test_ratio_zero_is_concatenation_and_differs_from_full_prefill_kv(tiny_llama
 def test_the_blend_recomputes_the_last_document_first(tiny_llama, tiny_tokenizer):
     kvs = {}
     for name, config in (("concat", BlendConfig(recompute_ratio=0.0)), ("last", BlendConfig(recompute_ratio=0.5, select="last_document")),
-                         ("deviation", BlendConfig(recompute_ratio=0.5, select="deviation"))):  # fmt: skip
+                         ("deviation", BlendConfig(recompute_ratio=0.5, select="deviation")),
+                         ("epic", BlendConfig(recompute_ratio=0.5, select="document_starts"))):  # fmt: skip
         engine = _engine(tiny_llama, tiny_tokenizer, blend=config)
         engine.store_documents(DOCS[:2])
         prompt = _prompt(engine, "which one", [DOCS[1], DOCS[0]])
@@ -96,6 +97,10 @@ def test_the_blend_recomputes_the_last_document_first(tiny_llama, tiny_tokenizer
     assert torch.equal(last.keys[:, :, s0:e0], concat.keys[:, :, s0:e0]) and torch.equal(last.values[:, :, s0:e0], concat.values[:, :, s0:e0])
     assert (last.values[-1, :, s1:e1] != concat.values[-1, :, s1:e1]).any(-1).any(0).all()  # every token of it recomputed
     assert not torch.equal(kvs["deviation"].values[:, :, s0:e0], concat.values[:, :, s0:e0])  # deviation alone: both
+    epic = kvs["epic"]  # EPIC's pick: the first 45 tokens of each document, nothing else
+    for s, e in prompt.documents:
+        changed = (epic.values[-1, :, s:e] != concat.values[-1, :, s:e]).any(-1).any(0)
+        assert changed[:45].all() and not changed[45:].any()
 
 
 def test_the_prefix_before_the_documents_is_stored_and_reused_exactly(tiny_llama, tiny_tokenizer):
