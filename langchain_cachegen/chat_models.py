@@ -163,9 +163,11 @@ class ChatCacheGen(BaseChatModel):
         params["ls_provider"] = "cachegen"
         params["ls_model_name"] = kwargs.get("model", self.model_id)
         gen = self.llm.generation_kwargs
-        params["ls_max_tokens"] = self.max_tokens if self.max_tokens is not None else gen.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-        if self.temperature is not None:
-            params["ls_temperature"] = self.temperature
+        max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))  # this call's, else the field's
+        params["ls_max_tokens"] = max_tokens if max_tokens is not None else gen.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        temperature = kwargs.get("temperature", self.temperature)
+        if temperature is not None:
+            params["ls_temperature"] = temperature
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop or [])
         return params

@@ -116,3 +116,9 @@ def test_greedy_drops_sampling_defaults_and_bad_values_are_refused():
     for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": 0}, {"max_tokens": 0}):
         with pytest.raises(ValueError):
             to_transformers({}, bad, "x")
+
+
+def test_tracing_params_follow_the_call(model):
+    params = model._get_ls_params(max_tokens=3, temperature=0.5)
+    assert params["ls_max_tokens"] == 3 and params["ls_temperature"] == 0.5
+    assert model._get_ls_params()["ls_max_tokens"] == 8
