@@ -93,8 +93,9 @@ class CacheGenLLM(BaseLLM):
 
         ``blend``: how documents marked by ``format_documents`` are reused wherever they land: ``"fast"``
         (the default: perplexity within +2 % of full prefill on the dev transcripts), ``"balanced"``
-        (within +0.5 %, more recomputed) or ``"exact"`` (no blend: the answers are the no-cache answers,
-        documents are reused only as part of a stored prefix); or a ``BlendConfig``.
+        (within +0.5 %, more recomputed) or ``"exact"`` (no blend: documents are reused only inside a
+        stored prefix, so answers are the no-cache answers up to the stored level's own loss); or a
+        ``BlendConfig``.
         """
         engine = KVEngine.from_pretrained(
             model_id,

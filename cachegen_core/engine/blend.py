@@ -98,7 +98,8 @@ class BlendConfig:
 #: The blend's quality choices, by name (``KVEngine(blend=...)``, ``from_model_id(blend=...)``): ``"fast"`` (the
 #: default) and ``"balanced"`` recompute the shares of the cached document tokens that held perplexity within +2 %
 #: and +0.5 % of full prefill on the dev transcripts (``docs/results.md``, "The blend's presets"); ``"exact"`` blends
-#: nothing: documents are plain text, reused only as part of a stored prefix, so answers are the no-cache answers.
+#: nothing: documents are plain text, reused only inside a stored prefix, so answers are the no-cache answers up to
+#: the stored level's own loss (none at ``level="lossless"`` on a 16-bit model).
 PRESETS: dict[str, BlendConfig | None] = {
     "fast": BlendConfig(recompute_ratio=0.15),
     "balanced": BlendConfig(recompute_ratio=0.3),
