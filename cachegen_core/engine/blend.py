@@ -102,7 +102,7 @@ class BlendConfig:
 #: the stored level's own loss (none at ``level="lossless"`` on a 16-bit model).
 PRESETS: dict[str, BlendConfig | None] = {
     "fast": BlendConfig(recompute_ratio=0.15),
-    "balanced": BlendConfig(recompute_ratio=0.3),
+    "balanced": BlendConfig(recompute_ratio=0.25),
     "exact": None,
 }
 
