@@ -14,7 +14,8 @@ A variant is a :class:`Variant`; the recompute share counts every cached token r
 check layer on (forced or picked) against ``ceil(ratio * cached)``; ``layer_share`` is the share of
 (region token, layer) pairs computed, the layer-0 pass and layers before the check included.
 The variant ``default`` runs ``blend.blend`` with ``BlendConfig()`` as ``DocumentCaches`` does
-(``S:engine=1,ratio=R``: the same at ratio R with ``BlendConfig(select=S)`` when S is one of ``blend.SELECTIONS``).
+(``S:engine=1,ratio=R``: the same at ratio R with ``BlendConfig(select=S)`` when S is one of ``blend.SELECTIONS``,
+as is ``NAME:engine=1,select=S``; with ``engine=1``, ``first=N`` is ``BlendConfig(sink_tokens=N)``).
 Two selections that read the answer (upper bounds no engine can run, ``select=oracle-read|oracle-dev,engine=1``)
 say how far any pick of the same share can go: ``oracle-read`` scores each cached token as
 ``blend.question_attention`` does but with the question and the 128 continuation tokens as readers,
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     from cachegen_core.engine import hf  # noqa: PLC0415
-    from cachegen_core.engine.blend import SELECTIONS, BlendConfig, blend, blend_support, last_document_first, question_attention  # noqa: PLC0415
+    from cachegen_core.engine.blend import SELECTIONS, BlendConfig, blend, blend_support, forced_tokens, question_attention  # noqa: PLC0415
     from cachegen_core.engine.rope import shift_keys  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
     from cachegen_core.keys.segments import document_spans  # noqa: PLC0415
@@ -354,11 +355,12 @@ def main(argv: list[str] | None = None) -> None:
                 buf.slice(s, e).values.copy_(kv.values)
                 cached[s - start : e - start] = True
             if v.engine:  # what DocumentCaches does with this config
-                cfg = BlendConfig(recompute_ratio=v.ratio, select=v.name if v.name in SELECTIONS else "question")
+                select = v.select if v.select in SELECTIONS else v.name if v.name in SELECTIONS else "question"
+                cfg = BlendConfig(recompute_ratio=v.ratio, select=select, sink_tokens=v.first)
                 scores = question_attention(model, ids, buf, start, end, cached, cfg.question_tokens) if cfg.select == "question" else None
                 if v.select.startswith("oracle"):
                     scores = oracle_scores(model, ids, pool[p[-1]][1], buf, start, end, cached, v.select)
-                first = last_document_first(spans, start, cached, cfg.recompute_ratio, cfg.head_tokens) if cfg.select == "last_document" else None
+                first = forced_tokens(cfg, spans, start, cached, question=True)
                 ratio = cfg.recompute_ratio / v.rounds
                 total = blend(model, ids, buf, start, end, cached, ratio, check_layer=cfg.check_layer,
                               query_block=cfg.query_block, first=first, scores=scores)  # fmt: skip

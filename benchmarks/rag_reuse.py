@@ -1,6 +1,6 @@
 """Retrieved documents in any order: full prefill vs prefix cache vs document caches (concatenated, blended).
 
-    python -m benchmarks.rag_reuse [--quick] [--data F] [--docs 6] [--doc-tokens 1024] [--ratios 0.05 0.15 0.3] [--out F]
+    python -m benchmarks.rag_reuse [--quick] [--data F] [--docs 6] [--doc-tokens 1024] [--ratios 0.05 0.15 0.3] [--epic] [--out F]
 
 Documents are ~1K-token segments of LongChat transcripts; each prompt is an instruction, ``--docs``
 documents drawn from the pool in a shuffled order (separated by a blank line), and a question.
@@ -12,7 +12,8 @@ Methods: ``full-prefill`` (no cache: the reference); ``prefix-cache`` (today's r
 chunks behind the same prefix, the store warmed with the same documents in other orders);
 ``concat`` (document caches moved to their positions, nothing recomputed but the text between
 them); ``blend-r`` (the same, then CacheBlend's selective recompute of a share ``r`` of the cached
-tokens, the last document first). Every engine stores and reads the raw 16-bit form
+tokens, those the question attends to most); with ``--epic``, ``epic-r`` (the same share, EPIC's pick:
+each document's first tokens, ``BlendConfig(select="document_starts")``). Every engine stores and reads the raw 16-bit form
 (``level="raw"``), so the rows measure reuse, not compression. TTFT is the engine's time to first token (one prompt at a time, on this
 machine's cores), full prefill timed in the same run; ``ttft_speedup`` is full prefill's over the method's.
 
@@ -88,6 +89,7 @@ def arguments() -> argparse.ArgumentParser:
     ap = parser(__doc__, quick_help="2 prompts, ratios 0.15 only")
     add_prompt_options(ap, prompts=3)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3])
+    ap.add_argument("--epic", action="store_true", help="also EPIC's pick (each document's first tokens) at each ratio")
     return ap
 
 
@@ -122,6 +124,7 @@ def run(args: argparse.Namespace, out: Rows) -> None:
         ("prefix-cache", None): engine(MemoryStore(), None, partial_step=0),
         ("concat", 0.0): engine(doc_store, BlendConfig(recompute_ratio=0.0)),
         **{(f"blend-{r:g}", r): engine(doc_store, BlendConfig(recompute_ratio=r)) for r in args.ratios},
+        **{(f"epic-{r:g}", r): engine(doc_store, BlendConfig(recompute_ratio=r, select="document_starts")) for r in args.ratios if args.epic},
     }
     methods[("concat", 0.0)].store_documents([d for d, _ in pool])  # indexing: every document computed once, on its own
     prefix = methods[("prefix-cache", None)]

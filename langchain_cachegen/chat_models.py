@@ -12,26 +12,31 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.documents import Document
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.tool import ToolCallChunk, tool_call_chunk
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, GenerationChunk
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.json import parse_partial_json
 
 from cachegen_core.engine import KVEngine
+from cachegen_core.engine.aio import run_in_thread
 
 from .chat_template import render_prompt
+from .documents import CachedDocuments, cache_documents
+from .generation import check_keywords
 from .llms import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, CacheGenLLM
 from .metadata import usage_metadata
 from .structured_output import Method, response_format_prompt, structured_output
@@ -80,6 +85,10 @@ def _tool_call_chunks(parsed: ParsedAnswer) -> list[ToolCallChunk]:
     return chunks
 
 
+#: Keywords a call may carry besides the generation parameters (``bind_tools``, ``with_structured_output``, traces).
+_CALL_OPTIONS = frozenset({"tools", "tool_choice", "response_format", "model"})
+
+
 @dataclass
 class _Call:
     """One request to the LLM: the rendered prompt, the answer's prefill and how to read the answer."""
@@ -95,8 +104,11 @@ class ChatCacheGen(BaseChatModel):
     """Chat model over a :class:`CacheGenLLM`.
 
     Build it with ``ChatCacheGen.from_model_id(...)`` (the LLM's loader, same options)
-    or ``ChatCacheGen(llm=CacheGenLLM(...))``. ``max_tokens``, ``temperature`` and
-    ``stop`` override the LLM's generation settings for each call; ``None`` leaves them.
+    or ``ChatCacheGen(llm=CacheGenLLM(...))``. ``max_tokens``, ``temperature``, ``top_p``, ``seed``
+    and ``stop`` override the LLM's generation settings for each call; ``None`` leaves them. Each
+    call (and ``bind``) may override them again, and take ``top_k`` (``generation.py``); another
+    keyword is a ``TypeError`` naming the accepted ones. ``ainvoke``, ``abatch`` and ``astream`` never
+    block the event loop, and a cancelled one stops generating within a token, freeing the model.
     """
 
     llm: CacheGenLLM
@@ -104,6 +116,10 @@ class ChatCacheGen(BaseChatModel):
     """New tokens per answer; ``None``: the LLM's ``generation_kwargs["max_new_tokens"]`` (256 by default)."""
     temperature: float | None = None
     """Sampling temperature; ``None`` or ``0``: greedy decoding."""
+    top_p: float | None = None
+    """Nucleus sampling's probability mass (samples, at temperature 1 unless one is set)."""
+    seed: int | None = None
+    """Random seed of sampling: the same seed and prompt give the same answer."""
     stop: list[str] | None = None
     streaming: bool = False
 
@@ -118,6 +134,11 @@ class ChatCacheGen(BaseChatModel):
         """
         load = {k: kwargs.pop(k) for k in _LOAD_OPTIONS & kwargs.keys()}
         return cls(llm=CacheGenLLM.from_model_id(model_id, **load), **kwargs)
+
+    def cache_documents(self, documents: Iterable[Document | str], *, progress: bool | None = None) -> CachedDocuments:
+        """Compute and store, when documents are indexed, the document caches that later prompts holding them
+        (through ``format_documents``, in any message) reuse wherever they land: ``CacheGenLLM.cache_documents``."""
+        return cache_documents(self.engine, documents, progress)
 
     @property
     def engine(self) -> KVEngine:
@@ -142,9 +163,11 @@ class ChatCacheGen(BaseChatModel):
         params["ls_provider"] = "cachegen"
         params["ls_model_name"] = kwargs.get("model", self.model_id)
         gen = self.llm.generation_kwargs
-        params["ls_max_tokens"] = self.max_tokens if self.max_tokens is not None else gen.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-        if self.temperature is not None:
-            params["ls_temperature"] = self.temperature
+        max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))  # this call's, else the field's
+        params["ls_max_tokens"] = max_tokens if max_tokens is not None else gen.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        temperature = kwargs.get("temperature", self.temperature)
+        if temperature is not None:
+            params["ls_temperature"] = temperature
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop or [])
         return params
@@ -192,14 +215,15 @@ class ChatCacheGen(BaseChatModel):
         return structured_output(self, schema, method=method, include_raw=include_raw)
 
     def _llm_call(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[list[str] | None, dict[str, Any]]:
-        """This call's stop sequences and generation overrides for the LLM."""
-        gen: dict[str, Any] = {}
-        if self.max_tokens is not None:
-            gen["max_new_tokens"] = self.max_tokens
-        if self.temperature:
-            gen.update(do_sample=True, temperature=self.temperature)
-        gen.update((k, v) for k, v in kwargs.items() if k != "model")  # `model` only names the model in traces
-        return list(stop or self.stop or []) or None, gen
+        """This call's stop sequences and generation overrides for the LLM (LangChain's names: the fields, then the call's)."""
+        kwargs = {k: v for k, v in kwargs.items() if k != "model"}  # `model` only names the model in traces
+        check_keywords(kwargs, type(self).__name__)
+        fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+        gen = {k: v for k, v in fields.items() if v is not None}
+        gen.update(kwargs)
+        stop = stop or gen.pop("stop", None) or self.stop
+        gen.pop("stop", None)
+        return list(stop or []) or None, gen
 
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
         """Render the prompt for this call (tools, answer format) and split off the LLM's arguments."""
@@ -209,9 +233,20 @@ class ChatCacheGen(BaseChatModel):
         if tools and choice not in (None, "none"):
             prefill = forced_call_prefill(tools, choice["function"]["name"] if isinstance(choice, dict) else None)
         names = tuple(t["function"]["name"] for t in tools) if tools and choice != "none" else None
+        stop, gen = self._llm_call(stop, kwargs)  # a bad keyword fails before anything is rendered
         ids = render_prompt(self.engine.tokenizer, messages, tools=tools, system_text=system_text, prefill=prefill)
-        stop, gen = self._llm_call(stop, kwargs)
         return _Call(ids, prefill, names, stop, gen)
+
+    def _result(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any],
+                cancel: threading.Event | None = None) -> ChatResult:  # fmt: skip
+        call = self._prepare(messages, stop, kwargs)
+        result = self.llm._results([call.ids], call.stop, call.gen, cancel)
+        g = result.generations[0][0]
+        text = call.prefill + g.text
+        parsed = parse_tool_calls(text, call.tool_names) if call.tool_names is not None else ParsedAnswer(text)
+        info, metadata = self._metadata(g.generation_info or {})
+        msg = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls, invalid_tool_calls=parsed.invalid_tool_calls, **metadata)
+        return ChatResult(generations=[ChatGeneration(message=msg, generation_info=info)])
 
     def _generate(
         self,
@@ -220,14 +255,19 @@ class ChatCacheGen(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        call = self._prepare(messages, stop, kwargs)
-        result = self.llm._generate([call.ids], stop=call.stop, **call.gen)
-        g = result.generations[0][0]
-        text = call.prefill + g.text
-        parsed = parse_tool_calls(text, call.tool_names) if call.tool_names is not None else ParsedAnswer(text)
-        info, metadata = self._metadata(g.generation_info or {})
-        msg = AIMessage(content=parsed.content, tool_calls=parsed.tool_calls, invalid_tool_calls=parsed.invalid_tool_calls, **metadata)
-        return ChatResult(generations=[ChatGeneration(message=msg, generation_info=info)])
+        return self._result(messages, stop, kwargs)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """``_generate`` in a thread of its own (``aio.run_in_thread``): cancelled, it stops within a token."""
+        check_keywords({k: v for k, v in kwargs.items() if k not in _CALL_OPTIONS}, type(self).__name__)  # fail here, not in the thread
+        cancel = threading.Event()
+        return await run_in_thread(lambda: self._result(messages, stop, dict(kwargs), cancel), cancel)
 
     def _stream(
         self,
@@ -238,24 +278,28 @@ class ChatCacheGen(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         """Text chunks as they come (tool-call markup held back), then a last chunk with tool calls and metadata."""
         call = self._prepare(messages, stop, kwargs)
-        streamer = ToolCallStreamer(call.tool_names) if call.tool_names is not None else None
-        pending = call.prefill  # the answer's start, streamed with its first piece
+        chunks = _ChatChunks(self, call)
         # no run_manager for the LLM: tokens are reported below, as chat chunks
         for chunk in self.llm._stream(call.ids, stop=call.stop, **call.gen):
-            text, pending = pending + chunk.text, ""
-            if chunk.generation_info is None:
-                out = streamer.feed(text) if streamer else text
-                if out:
-                    yield self._emit(ChatGenerationChunk(message=AIMessageChunk(content=out)), run_manager)
-                continue
-            calls: list[ToolCallChunk] = []
-            if streamer:
-                streamer.feed(text)
-                text, parsed = streamer.finish()
-                calls = _tool_call_chunks(parsed)
-            info, metadata = self._metadata(chunk.generation_info)
-            message = AIMessageChunk(content=text, tool_call_chunks=calls, chunk_position="last", **metadata)
-            yield self._emit(ChatGenerationChunk(message=message, generation_info=info), run_manager)
+            if (out := chunks(chunk)) is not None:
+                yield self._emit(out, run_manager)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """``_stream`` without blocking the event loop (the prompt rendered, tokenised and answered in a thread of its
+        own); cancelled or closed, it stops generating within a token."""
+        call = await run_in_thread(lambda: self._prepare(messages, stop, dict(kwargs)), threading.Event())
+        chunks = _ChatChunks(self, call)
+        async for chunk in self.llm._astream(call.ids, stop=call.stop, **call.gen):
+            if (out := chunks(chunk)) is not None:
+                if run_manager and out.text:
+                    await run_manager.on_llm_new_token(out.text, chunk=out)
+                yield out
 
     @staticmethod
     def _emit(chunk: ChatGenerationChunk, run_manager: CallbackManagerForLLMRun | None) -> ChatGenerationChunk:
@@ -272,6 +316,29 @@ class ChatCacheGen(BaseChatModel):
         info = {"model_name": self.model_id, **llm_info}
         usage = info.pop("usage_metadata", None) or usage_metadata(info)
         return info, {"response_metadata": dict(info), "usage_metadata": usage}
+
+
+class _ChatChunks:
+    """The LLM's stream of one call as chat chunks: the answer's prefill with its first piece, tool-call markup held
+    back, and a last chunk carrying the tool calls and the metadata."""
+
+    def __init__(self, chat: ChatCacheGen, call: _Call) -> None:
+        self.chat, self.pending = chat, call.prefill
+        self.streamer = ToolCallStreamer(call.tool_names) if call.tool_names is not None else None
+
+    def __call__(self, chunk: GenerationChunk) -> ChatGenerationChunk | None:
+        text, self.pending = self.pending + chunk.text, ""
+        if chunk.generation_info is None:
+            out = self.streamer.feed(text) if self.streamer else text
+            return ChatGenerationChunk(message=AIMessageChunk(content=out)) if out else None
+        calls: list[ToolCallChunk] = []
+        if self.streamer:
+            self.streamer.feed(text)
+            text, parsed = self.streamer.finish()
+            calls = _tool_call_chunks(parsed)
+        info, metadata = self.chat._metadata(chunk.generation_info)
+        message = AIMessageChunk(content=text, tool_call_chunks=calls, chunk_position="last", **metadata)
+        return ChatGenerationChunk(message=message, generation_info=info)
 
 
 __all__ = ["ChatCacheGen", "normalize_tool_choice", "render_prompt"]

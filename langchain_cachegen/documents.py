@@ -11,12 +11,14 @@ with its neighbours (CacheBlend). Nothing else in the chain changes::
     chain = {"context": retriever | format_documents, "question": RunnablePassthrough()} | prompt | llm
 
 A prompt without markers is passed on unchanged. :func:`strip_markers` removes them for a model
-that is not CacheGen's.
+that is not CacheGen's. :func:`cache_documents` (``llm.cache_documents(docs)``) computes the document
+caches when the documents are indexed, so that no question pays a document's prefill.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from langchain_core.documents import Document
@@ -68,6 +70,30 @@ def tokenize_marked(tokenizer: Any, text: str, *, add_special_tokens: bool) -> l
     return tokenize_parts(tokenizer, split_marked(text), add_special_tokens=add_special_tokens)
 
 
+@dataclass(frozen=True)
+class CachedDocuments:
+    """What ``cache_documents`` did with the documents it was given (each listed as given): ``stored`` (computed
+    and stored now, ``tokens`` in all), ``already_cached`` (found in the store: nothing computed) and ``skipped``
+    (too short to be reused, ``BlendConfig.min_document_tokens``: prompts hold them as plain text; every one
+    when the engine blends nothing, ``blend="exact"``)."""
+
+    stored: list[Document | str] = field(default_factory=list)
+    already_cached: list[Document | str] = field(default_factory=list)
+    skipped: list[Document | str] = field(default_factory=list)
+    tokens: int = 0
+
+
+def cache_documents(engine: Any, documents: Iterable[Document | str], progress: bool | None = None) -> CachedDocuments:
+    """Compute and store the document cache of each document a later :func:`format_documents` prompt will hold,
+    exactly as that prompt looks it up (the same text, tokenised on its own); documents already stored are not
+    computed again. ``progress``: a bar on stderr (None: on a terminal, unless ``CACHEGEN_PROGRESS=0``)."""
+    docs = list(documents)
+    texts = [strip_markers(d.page_content if isinstance(d, Document) else str(d)) for d in docs]
+    done = engine.store_documents(texts, progress=progress)
+    pick = lambda at: [docs[i] for i in at]  # noqa: E731
+    return CachedDocuments(pick(done.stored), pick(done.present), pick(done.skipped), done.tokens)
+
+
 def engine_prompt(engine: Any, prompt: str | Sequence[int]) -> str | Sequence[int]:
     """What the engine is given for a prompt: a marked text as a ``SegmentedPrompt``, anything else unchanged."""
     if isinstance(prompt, str) and has_markers(prompt):
@@ -75,4 +101,4 @@ def engine_prompt(engine: Any, prompt: str | Sequence[int]) -> str | Sequence[in
     return prompt
 
 
-__all__ = ["DOC_END", "DOC_START", "engine_prompt", "format_documents", "split_marked", "strip_markers", "tokenize_marked"]
+__all__ = ["DOC_END", "DOC_START", "CachedDocuments", "cache_documents", "engine_prompt", "format_documents", "split_marked", "strip_markers", "tokenize_marked"]

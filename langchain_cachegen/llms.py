@@ -8,20 +8,24 @@ recomputed, and new chunks are stored in the background. Nothing changes in the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.documents import Document
 from langchain_core.language_models.base import LangSmithParams
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field
 
 from cachegen_core.engine import GenerationInfo, KVEngine
+from cachegen_core.engine.aio import astream_pieces, run_in_thread
 from cachegen_core.stores import KVStore
 
-from .documents import engine_prompt
+from .documents import CachedDocuments, cache_documents, engine_prompt
+from .generation import to_transformers
 from .metadata import finish_reason, usage_metadata
 from .stop import StopStreamer, cut_at_stop
 
@@ -40,8 +44,14 @@ class CacheGenLLM(BaseLLM):
     info of each answer reports ``cached_tokens``, ``recomputed_tokens``, ``levels``,
     ``bytes_fetched`` and ``ttft_s`` (the engine's ``GenerationInfo``), plus
     ``finish_reason`` (``"stop"`` or ``"length"``), ``model_name`` and ``usage_metadata``
-    (tokens reused from the store as ``input_token_details["cache_read"]``); ``llm_output``
-    sums the usage of a batch as ``token_usage``.
+    (tokens reused from the store as ``input_token_details["cache_read"]``, tokens this request
+    queued for storing as ``"cache_creation"``); ``llm_output`` sums the usage of a batch as
+    ``token_usage``.
+
+    Each call (and ``bind``) takes LangChain's generation parameters: ``max_tokens``,
+    ``temperature``, ``top_p``, ``top_k``, ``seed`` and ``stop`` (``generation.py``). ``ainvoke``,
+    ``abatch`` and ``astream`` never block the event loop, and a cancelled one stops generating
+    within a token, freeing the model for the next request.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
@@ -49,7 +59,8 @@ class CacheGenLLM(BaseLLM):
     engine: KVEngine = Field(exclude=True)
     model_id: str = DEFAULT_MODEL
     generation_kwargs: dict[str, Any] = Field(default_factory=lambda: {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS})
-    """Defaults for transformers' ``generate``; per-call keyword arguments override them."""
+    """Defaults for transformers' ``generate`` (its names: ``max_new_tokens``, ``do_sample``...); per-call keyword
+    arguments (LangChain's names) override them."""
 
     @classmethod
     def from_model_id(
@@ -69,6 +80,7 @@ class CacheGenLLM(BaseLLM):
         model_kwargs: dict[str, Any] | None = None,
         generation_kwargs: dict[str, Any] | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        blend: Any = "fast",
         **kwargs: Any,
     ) -> CacheGenLLM:
         """Load a local transformers directory, a ``.gguf`` file, a model id of the local Hugging Face cache
@@ -78,6 +90,12 @@ class CacheGenLLM(BaseLLM):
         ``device_map``, ``dtype`` and ``model_kwargs`` place and load the model. The other
         keyword-only options configure the engine (``engine_kwargs`` holds the rarer ones of
         ``KVEngine.from_pretrained``); ``kwargs`` set this class's fields.
+
+        ``blend``: how documents marked by ``format_documents`` are reused wherever they land: ``"fast"``
+        (the default: perplexity within +2 % of full prefill on the dev transcripts), ``"balanced"``
+        (within +0.5 %, more recomputed) or ``"exact"`` (no blend: documents are reused only inside a
+        stored prefix, so answers are the no-cache answers up to the stored level's own loss); or a
+        ``BlendConfig``.
         """
         engine = KVEngine.from_pretrained(
             model_id,
@@ -92,7 +110,7 @@ class CacheGenLLM(BaseLLM):
             device_map=device_map,
             dtype=dtype,
             model_kwargs=model_kwargs,
-            **(engine_kwargs or {}),
+            **{"blend": blend, **(engine_kwargs or {})},
         )
         gen = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **(generation_kwargs or {})}
         return cls(engine=engine, model_id=str(model_id), generation_kwargs=gen, **kwargs)
@@ -114,9 +132,18 @@ class CacheGenLLM(BaseLLM):
             "generation_kwargs": self.generation_kwargs,
         }
 
+    def cache_documents(self, documents: Iterable[Document | str], *, progress: bool | None = None) -> CachedDocuments:
+        """Compute and store, when documents are indexed, the document caches that later prompts holding them
+        (through ``format_documents``) reuse wherever they land, so no question pays a document's prefill.
+        Documents already stored are not computed again; a progress bar shows on a terminal. Returns
+        which documents were stored, which were already there and which are too short to be reused."""
+        return cache_documents(self.engine, documents, progress)
+
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         gen = {**self.generation_kwargs, **kwargs}
+        if gen.get("max_tokens") is not None:
+            gen["max_new_tokens"] = gen["max_tokens"]
         params["ls_provider"] = "cachegen"
         params["ls_model_name"] = self.model_id
         params["ls_max_tokens"] = gen.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
@@ -127,8 +154,10 @@ class CacheGenLLM(BaseLLM):
         return params
 
     def _engine_kwargs(self, stop: Sequence[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """This call's arguments to the engine: the defaults, the call's overrides and ``stop``."""
-        out = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **self.generation_kwargs, **kwargs}
+        """This call's arguments to the engine: the defaults, the call's overrides (LangChain's names, checked and
+        mapped to transformers': ``generation.py``) and ``stop``."""
+        out = to_transformers({"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **self.generation_kwargs}, kwargs, type(self).__name__)
+        out.pop("stop", None)
         if stop:
             out["stop"] = list(stop)
         return out
@@ -141,6 +170,19 @@ class CacheGenLLM(BaseLLM):
         out["usage_metadata"] = usage_metadata(out)
         return out
 
+    def _results(self, prompts: Sequence[Prompt], stop: list[str] | None, kwargs: dict[str, Any],
+                 cancel: threading.Event | None = None) -> LLMResult:  # fmt: skip
+        gen = self._engine_kwargs(stop, kwargs)
+        generations = []
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for text, info in self.engine.generate_many([engine_prompt(self.engine, p) for p in prompts], cancel=cancel, **gen):
+            text, stopped = cut_at_stop(text, stop)
+            generations.append([Generation(text=text, generation_info=self._info(info, stopped, gen.get("max_new_tokens")))])
+            usage["prompt_tokens"] += info.prompt_tokens
+            usage["completion_tokens"] += info.new_tokens
+            usage["total_tokens"] += info.prompt_tokens + info.new_tokens
+        return LLMResult(generations=generations, llm_output={"model_id": self.model_id, "model_name": self.model_id, "token_usage": usage})
+
     def _generate(
         self,
         prompts: Sequence[Prompt],
@@ -148,16 +190,19 @@ class CacheGenLLM(BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        gen = self._engine_kwargs(stop, kwargs)
-        generations = []
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        for text, info in self.engine.generate_many([engine_prompt(self.engine, p) for p in prompts], **gen):
-            text, stopped = cut_at_stop(text, stop)
-            generations.append([Generation(text=text, generation_info=self._info(info, stopped, gen.get("max_new_tokens")))])
-            usage["prompt_tokens"] += info.prompt_tokens
-            usage["completion_tokens"] += info.new_tokens
-            usage["total_tokens"] += info.prompt_tokens + info.new_tokens
-        return LLMResult(generations=generations, llm_output={"model_id": self.model_id, "model_name": self.model_id, "token_usage": usage})
+        return self._results(prompts, stop, kwargs)
+
+    async def _agenerate(
+        self,
+        prompts: Sequence[Prompt],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        """``_generate`` in a thread of its own (``aio.run_in_thread``): cancelled, it stops within a token."""
+        self._engine_kwargs(stop, kwargs)  # a bad keyword fails here, not in the thread
+        cancel = threading.Event()
+        return await run_in_thread(lambda: self._results(prompts, stop, kwargs, cancel), cancel)
 
     def _stream(
         self,
@@ -166,26 +211,49 @@ class CacheGenLLM(BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        """Text chunks cut at ``stop``, then an empty chunk carrying the generation info."""
+        """Text chunks cut at ``stop``, then an empty chunk carrying the generation info; leaving early stops generation."""
         gen = self._engine_kwargs(stop, kwargs)
-        filt = StopStreamer(stop)
+        chunks = _Chunks(self, stop, gen.get("max_new_tokens"))
         for item in self.engine.stream(engine_prompt(self.engine, prompt), **gen):
-            if isinstance(item, GenerationInfo):
-                tail = filt.finish()
-                if tail:
-                    yield self._chunk(tail, run_manager)
-                yield GenerationChunk(text="", generation_info=self._info(item, filt.stopped, gen.get("max_new_tokens")))
-                return
-            text = filt.feed(item)
-            if text:
-                yield self._chunk(text, run_manager)
+            for chunk in chunks(item):
+                if run_manager and chunk.text:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
 
-    @staticmethod
-    def _chunk(text: str, run_manager: CallbackManagerForLLMRun | None) -> GenerationChunk:
-        chunk = GenerationChunk(text=text)
-        if run_manager:
-            run_manager.on_llm_new_token(text, chunk=chunk)
-        return chunk
+    async def _astream(
+        self,
+        prompt: Prompt,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        """``_stream`` without blocking the event loop (tokenising and generating in a thread of its own);
+        cancelled or closed, it stops generating within a token."""
+        gen = self._engine_kwargs(stop, kwargs)
+        chunks = _Chunks(self, stop, gen.get("max_new_tokens"))
+        cancel = threading.Event()
+        run = lambda streamer: self.engine.generate(engine_prompt(self.engine, prompt), streamer=streamer, cancel=cancel, **gen)  # noqa: E731
+        async for item in astream_pieces(self.engine.tokenizer, run, cancel):
+            for chunk in chunks(item):
+                if run_manager and chunk.text:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+
+class _Chunks:
+    """A stream's engine items (text pieces, then the ``GenerationInfo``) as generation chunks: text held back while
+    a stop sequence could claim it, then an empty chunk carrying the generation info."""
+
+    def __init__(self, llm: CacheGenLLM, stop: list[str] | None, max_new_tokens: int | None) -> None:
+        self.llm, self.filter, self.max_new_tokens = llm, StopStreamer(stop), max_new_tokens
+
+    def __call__(self, item: str | GenerationInfo) -> list[GenerationChunk]:
+        if not isinstance(item, GenerationInfo):
+            text = self.filter.feed(item)
+            return [GenerationChunk(text=text)] if text else []
+        tail = self.filter.finish()
+        info = self.llm._info(item, self.filter.stopped, self.max_new_tokens)
+        return [*([GenerationChunk(text=tail)] if tail else []), GenerationChunk(text="", generation_info=info)]
 
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "DEFAULT_MODEL", "CacheGenLLM", "Prompt"]

@@ -27,13 +27,14 @@ def finish_reason(new_tokens: int, max_new_tokens: int | None, stopped: bool) ->
 
 
 def usage_metadata(info: Mapping[str, Any]) -> UsageMetadata:
-    """Usage of one answer from its generation info; tokens reused from the store are ``cache_read``."""
+    """Usage of one answer from its generation info: tokens reused from the store are ``cache_read``, tokens the
+    request queued for storing (chunks, partial chunks, documents; none of them read) ``cache_creation``."""
     prompt, new = int(info.get("prompt_tokens", 0)), int(info.get("new_tokens", 0))
     return {
         "input_tokens": prompt,
         "output_tokens": new,
         "total_tokens": prompt + new,
-        "input_token_details": {"cache_read": int(info.get("cached_tokens", 0))},
+        "input_token_details": {"cache_read": int(info.get("cached_tokens", 0)), "cache_creation": int(info.get("tokens_queued", 0))},
     }
 
 

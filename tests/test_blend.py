@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cachegen_core.engine import hf
-from cachegen_core.engine.blend import BlendConfig, blend, blend_support, last_document_first, question_attention
+from cachegen_core.engine.blend import BlendConfig, blend, blend_support, document_starts, forced_tokens, last_document_first, question_attention
 from cachegen_core.engine.rope import Rope, rope_of, shift_keys
 from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache
@@ -123,6 +123,23 @@ def test_the_last_document_comes_first_its_head_and_tail_when_it_does_not_fit():
     assert not last_document_first(DOCS, PREFIX, cached, 0.0, 8).any()  # ratio 0: nothing, concatenation
 
 
+def test_epics_pick_is_each_documents_first_tokens_the_budget_split_evenly():
+    cached = torch.ones(DOCS[-1][1] - PREFIX, dtype=torch.bool)
+    cached[DOCS[0][1] - PREFIX : DOCS[1][0] - PREFIX] = False  # the text between: no cached KV
+    starts = [s - PREFIX for s, _ in DOCS]
+    at = lambda mask: mask.nonzero().flatten().tolist()  # noqa: E731
+    assert at(document_starts(DOCS, PREFIX, cached, 7)) == [*range(starts[0], starts[0] + 4), *range(starts[1], starts[1] + 3)]
+    budget = 36  # ceil(0.15 * 235)
+    epic = forced_tokens(BlendConfig(select="document_starts"), DOCS, PREFIX, cached, question=True)
+    assert at(epic) == [*range(starts[0], starts[0] + 18), *range(starts[1], starts[1] + 18)] and len(at(epic)) == budget
+    assert forced_tokens(BlendConfig(), DOCS, PREFIX, cached, question=True) is None  # the question's attention picks all
+    no_question = forced_tokens(BlendConfig(), DOCS, PREFIX, cached, question=False)
+    assert torch.equal(no_question, last_document_first(DOCS, PREFIX, cached, 0.15, 128))  # nothing to score with: the last
+    sinks = forced_tokens(BlendConfig(sink_tokens=4), DOCS, PREFIX, cached, question=True)
+    assert at(sinks) == [*range(starts[0], starts[0] + 4), *range(starts[1], starts[1] + 4)]  # the rest left to the pick
+    assert not forced_tokens(BlendConfig(select="document_starts", recompute_ratio=0.0), DOCS, PREFIX, cached, True).any()
+
+
 def test_the_first_tokens_are_recomputed_within_the_budget_and_nothing_else_moves(tiny_llama):
     ids = _ids(4)
     full = hf.prefill(tiny_llama, ids)
@@ -196,5 +213,7 @@ def test_blend_config_is_checked():
         BlendConfig(recompute_ratio=1.5)
     with pytest.raises(ValueError, match="head_tokens"):
         BlendConfig(head_tokens=-1)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        BlendConfig(sink_tokens=-1)
     with pytest.raises(ValueError, match="select"):
         BlendConfig(select="random")

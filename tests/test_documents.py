@@ -84,7 +84,8 @@ def test_ratio_zero_is_concatenation_and_differs_from_full_prefill_kv(tiny_llama
 def test_the_blend_recomputes_the_last_document_first(tiny_llama, tiny_tokenizer):
     kvs = {}
     for name, config in (("concat", BlendConfig(recompute_ratio=0.0)), ("last", BlendConfig(recompute_ratio=0.5, select="last_document")),
-                         ("deviation", BlendConfig(recompute_ratio=0.5, select="deviation"))):  # fmt: skip
+                         ("deviation", BlendConfig(recompute_ratio=0.5, select="deviation")),
+                         ("epic", BlendConfig(recompute_ratio=0.5, select="document_starts"))):  # fmt: skip
         engine = _engine(tiny_llama, tiny_tokenizer, blend=config)
         engine.store_documents(DOCS[:2])
         prompt = _prompt(engine, "which one", [DOCS[1], DOCS[0]])
@@ -96,6 +97,10 @@ def test_the_blend_recomputes_the_last_document_first(tiny_llama, tiny_tokenizer
     assert torch.equal(last.keys[:, :, s0:e0], concat.keys[:, :, s0:e0]) and torch.equal(last.values[:, :, s0:e0], concat.values[:, :, s0:e0])
     assert (last.values[-1, :, s1:e1] != concat.values[-1, :, s1:e1]).any(-1).any(0).all()  # every token of it recomputed
     assert not torch.equal(kvs["deviation"].values[:, :, s0:e0], concat.values[:, :, s0:e0])  # deviation alone: both
+    epic = kvs["epic"]  # EPIC's pick: the first 45 tokens of each document, nothing else
+    for s, e in prompt.documents:
+        changed = (epic.values[-1, :, s:e] != concat.values[-1, :, s:e]).any(-1).any(0)
+        assert changed[:45].all() and not changed[45:].any()
 
 
 def test_the_prefix_before_the_documents_is_stored_and_reused_exactly(tiny_llama, tiny_tokenizer):
@@ -228,3 +233,46 @@ def test_prompt_kv_builds_the_kv_a_request_would_use(tiny_llama, tiny_tokenizer)
         kv, info = engine.prompt_kv(prompt_of(engine))
         assert info.documents_reused == 2 and kv.num_tokens == exact.num_tokens
         assert torch.allclose(kv.values, exact.values, atol=1e-2) is close  # the raw form: 16-bit
+
+
+@pytest.mark.parametrize("face", ["llm", "chat"])
+def test_documents_cached_at_indexing_leave_the_first_question_only_the_blends_share(tiny_llama, tiny_tokenizer, face):
+    def ask(model, docs):
+        context = format_documents(docs)
+        if face == "llm":
+            return model.generate([f"w7 {context} w8 w9"]).generations[0][0].generation_info
+        return model.invoke([SystemMessage(f"w7 {context}"), HumanMessage("w8 w9")]).response_metadata
+
+    def model_of(engine):
+        llm = CacheGenLLM(engine=engine, generation_kwargs={"max_new_tokens": 2})
+        return llm if face == "llm" else ChatCacheGen(llm=llm)
+
+    docs = [Document(page_content=d, metadata={"id": i}) for i, d in enumerate(DOCS)]
+    model = model_of(_engine(tiny_llama, tiny_tokenizer))
+    done = model.cache_documents([*docs, "w10 w11"])  # the last one is too short to be a document cache
+    assert (done.stored, done.already_cached, done.skipped, done.tokens) == (docs, [], ["w10 w11"], 4 * 90)
+    again = model.cache_documents([DOCS[1], docs[2]])
+    assert (again.stored, again.already_cached) == ([], [DOCS[1], docs[2]])
+    info = ask(model, [docs[3], docs[0], docs[2]])  # the first question after indexing
+    assert info["documents"] == info["documents_reused"] == 3 and not info["errors"]
+    picked = math.ceil(0.15 * 270)  # the blend's share of the 270 document tokens
+    assert info["cached_tokens"] == 270 - picked and info["recomputed_tokens"] == info["prompt_tokens"] - 270 + picked
+    cold = ask(model_of(_engine(tiny_llama, tiny_tokenizer)), [docs[3], docs[0], docs[2]])  # without indexing
+    assert cold["documents_reused"] == 0 and cold["cached_tokens"] == 0
+
+
+def test_the_blend_presets(tiny_llama, tiny_tokenizer):
+    from cachegen_core.engine.blend import PRESETS
+
+    assert _engine(tiny_llama, tiny_tokenizer).blend == PRESETS["fast"] == BlendConfig(recompute_ratio=PRESETS["fast"].recompute_ratio)
+    balanced = _engine(tiny_llama, tiny_tokenizer, blend="balanced").blend
+    assert balanced.recompute_ratio > PRESETS["fast"].recompute_ratio
+    with pytest.raises(ValueError, match="balanced.*exact.*fast"):
+        _engine(tiny_llama, tiny_tokenizer, blend="best")
+    exact = CacheGenLLM(engine=_engine(tiny_llama, tiny_tokenizer, blend="exact"), generation_kwargs={"max_new_tokens": 6})
+    assert exact.engine.documents is None and exact.cache_documents(DOCS[:2]).skipped == DOCS[:2]
+    prompt = _prompt(exact.engine, "q", [DOCS[1], DOCS[0]])
+    info = exact.engine.generate(prompt, max_new_tokens=6)[1]
+    assert info.documents_reused == 0 and info.cached_tokens == 0  # documents are plain text: nothing blended
+    _, again = exact.engine.generate(prompt, max_new_tokens=6)
+    assert again.cached_tokens > 0 and again.blend_recomputed == 0  # the same prompt again: its stored prefix, exact

@@ -47,7 +47,8 @@ def test_rag_chain_says_when_its_first_run_was_not_cold(tiny_model_dir, tmp_path
     assert "note: the first run was not cold" in capsys.readouterr().out
 
 
-def test_rag_documents_reuses_passages_retrieved_in_other_orders(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("index", [True, False])
+def test_rag_documents_reuses_passages_retrieved_in_other_orders(tiny_model_dir, tmp_path, monkeypatch, index):
     from cachegen_core.testing import words  # noqa: PLC0415
 
     data = tmp_path / "words.jsonl"  # the tiny tokenizer knows words w0..w127 only: passages of those
@@ -56,13 +57,13 @@ def test_rag_documents_reuses_passages_retrieved_in_other_orders(tiny_model_dir,
     monkeypatch.setattr(rag_documents, "QUESTIONS", [" ".join(passages[a : a + 8] + passages[b : b + 8])
                                                      for a, b in ((0, 120), (120, 240), (0, 240), (130, 140))])  # fmt: skip
     rows = rag_documents.main(["--model", tiny_model_dir, "--data", str(data), "--doc-tokens", "120", "--k", "3",
-                               "--max-new-tokens", "2"])  # fmt: skip
-    assert len(rows) == len(rag_documents.QUESTIONS) and rows[0]["documents_reused"] == 0
+                               "--max-new-tokens", "2", *([] if index else ["--no-index"])])  # fmt: skip
+    assert len(rows) == len(rag_documents.QUESTIONS)
     seen: set[str] = set()
-    for row in rows:  # every passage retrieved before comes from the store, wherever it lands now
-        assert row["documents_reused"] == len(seen & set(row["passages"]))
+    for row in rows:  # indexed: every passage from the store; else every passage retrieved before, wherever it lands now
+        assert row["documents_reused"] == (len(row["passages"]) if index else len(seen & set(row["passages"])))
         seen |= set(row["passages"])
-    assert sum(r["documents_reused"] for r in rows) >= 2
+    assert rows[0]["documents_reused"] == (3 if index else 0)
 
 
 def test_the_bm25_retriever_ranks_the_passage_holding_the_query_words_first():

@@ -38,7 +38,7 @@ def _record_engine_calls(engine, monkeypatch):
         real = getattr(engine, name)
 
         def spy(prompts, _real=real, _name=name, **gen):
-            calls.append((_name, prompts, gen))
+            calls.append((_name, prompts, {k: v for k, v in gen.items() if k != "cancel"}))  # the generation kwargs only
             return _real(prompts, **gen)
 
         monkeypatch.setattr(engine, name, spy)
@@ -177,8 +177,10 @@ def test_chat_reports_finish_reason_and_cache_reads_in_usage(llm):
     messages = [SystemMessage(words(58, 40)), HumanMessage(words(59, 5))]
     cold = chat.invoke(messages, max_new_tokens=2)
     assert cold.response_metadata["finish_reason"] == "length" and cold.usage_metadata["output_tokens"] == 2
+    assert cold.usage_metadata["input_token_details"] == {"cache_read": 0, "cache_creation": CHUNK}  # its complete chunk stored
     warm = chat.invoke(messages)
-    assert warm.usage_metadata["input_token_details"] == {"cache_read": warm.response_metadata["cached_tokens"]} == {"cache_read": CHUNK}
+    assert warm.usage_metadata["input_token_details"] == {"cache_read": warm.response_metadata["cached_tokens"], "cache_creation": 0}
+    assert warm.response_metadata["cached_tokens"] == CHUNK
     assert "usage_metadata" not in warm.response_metadata  # usage is the message's, not repeated in the metadata
     stop_word = warm.content.split()[0]
     assert chat.invoke(messages, stop=[stop_word]).response_metadata["finish_reason"] == "stop"

@@ -114,14 +114,15 @@ def test_usage_model_name_and_token_usage_are_reported(llm):
             "input_tokens": info["prompt_tokens"],
             "output_tokens": info["new_tokens"],
             "total_tokens": info["prompt_tokens"] + info["new_tokens"],
-            "input_token_details": {"cache_read": info["cached_tokens"]},
+            "input_token_details": {"cache_read": info["cached_tokens"], "cache_creation": info["tokens_queued"]},
         }
+    assert [i["tokens_queued"] for i in infos] == [CHUNK, 0]  # the 50-token prompt's complete chunk; 20 tokens: none
     usage = result.llm_output["token_usage"]
     assert usage["prompt_tokens"] == sum(i["prompt_tokens"] for i in infos) == 70
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert result.llm_output["model_name"] == "tiny"
     warm = llm.generate(prompts[:1]).generations[0][0].generation_info
-    assert warm["usage_metadata"]["input_token_details"]["cache_read"] == warm["cached_tokens"] == CHUNK
+    assert warm["usage_metadata"]["input_token_details"] == {"cache_read": CHUNK, "cache_creation": 0}
 
 
 def test_tracing_params_name_the_model(llm):

@@ -1,7 +1,8 @@
 """LangChain's standard integration tests of chat models, run offline on the reference model (SmolLM2-135M).
 
 Everything that is plumbing passes: invoke/stream/batch (sync and async), event streams,
-usage metadata (with the tokens reused from the store as ``cache_read``), stop sequences,
+usage metadata (with the tokens reused from the store as ``cache_read``, those queued for storing
+as ``cache_creation``), stop sequences,
 tool-call histories, structured output's tracing. What xfails needs more than a 135M
 model has: choosing to call a tool, or writing arguments and JSON objects that match a
 schema (each xfail says which). langchain-tests 1.1.9 has no suite for ``BaseLLM``s;
@@ -73,7 +74,7 @@ class TestChatCacheGenIntegration(ChatModelIntegrationTests):
 
     @property
     def supported_usage_metadata_details(self) -> dict[str, list[str]]:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
+        return {"invoke": ["cache_read_input", "cache_creation_input"], "stream": ["cache_read_input", "cache_creation_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         """A second call on a long system message reads its chunks from the store."""
@@ -87,6 +88,19 @@ class TestChatCacheGenIntegration(ChatModelIntegrationTests):
             full = chunk if full is None else full + chunk
         assert full.usage_metadata["input_token_details"]["cache_read"] >= 128
         return full
+
+    def invoke_with_cache_creation_input(self, *, stream: bool = False) -> AIMessage:
+        """A first call on a long system message queues its chunks for storing."""
+        model = ChatCacheGen(**self.chat_model_params)
+        messages = [SystemMessage(words(2 + stream, 100)), HumanMessage("Hello")]
+        if not stream:
+            msg = model.invoke(messages)
+        else:
+            msg = None
+            for chunk in model.stream(messages):
+                msg = chunk if msg is None else msg + chunk
+        assert msg.usage_metadata["input_token_details"]["cache_creation"] >= 128
+        return msg
 
     @pytest.fixture(autouse=True)
     def _pydantic_structured_output_xfails(self, request: pytest.FixtureRequest) -> None:

@@ -143,14 +143,14 @@ def test_document_caches_are_blended_or_refused_with_a_reason(name, tok):
     assert info.documents == 2 and not info.errors
     support = blend_support(model)
     if name in BLENDED:
-        assert not isinstance(support, str) and stored and info.documents_reused == 2
+        assert not isinstance(support, str) and stored.stored and info.documents_reused == 2
         default = _engine(name, tok, level="raw", store_options=["raw"], store=engine.store)  # the default 15 % budget
         text, info = default.generate(prompt, max_new_tokens=NEW)
         assert text and info.documents_reused == 2 and 0 < info.blend_recomputed < 120
     else:
         reason = NO_BLEND.get(name, "is not of the Llama family")
         assert isinstance(support, str) and reason in support
-        assert not stored and info.documents_reused == 0  # nothing stored that is never read
+        assert not stored.stored and info.documents_reused == 0  # nothing stored that is never read
 
 
 def test_a_linear_attention_layer_is_refused_at_load(tok):

@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent("""
         print(f"<{case}>", file=sys.stderr, flush=True)
         eng = KVEngine(model, tok, store=MemoryStore(), chunk_tokens=32, background=False, progress=progress)
         assert len(eng.store_kv(words(1, 4 * 32 + 3))) == 4
+        assert len(eng.store_documents([words(2, 40), words(3, 40)]).stored) == 2
         print(f"</{case}>", file=sys.stderr, flush=True)
     print("done", flush=True)
 """)
@@ -67,8 +68,9 @@ def run(*, tty: bool) -> str:
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 def test_a_bar_on_a_terminal_and_none_otherwise():
-    on_tty = cases(run(tty=True))
-    assert "encoding KV chunks" in on_tty["default"]
-    assert "encoding KV chunks" not in on_tty["off"]  # progress=False
-    assert "encoding KV chunks" not in on_tty["env-off"]  # CACHEGEN_PROGRESS=0
-    assert all("encoding KV chunks" not in err for err in cases(run(tty=False)).values())  # a log file or CI: silent
+    on_tty, off_tty = cases(run(tty=True)), cases(run(tty=False))
+    for bar in ("encoding KV chunks", "caching documents"):
+        assert bar in on_tty["default"]
+        assert bar not in on_tty["off"]  # progress=False
+        assert bar not in on_tty["env-off"]  # CACHEGEN_PROGRESS=0
+        assert all(bar not in err for err in off_tty.values())  # a log file or CI: silent

@@ -32,13 +32,14 @@ def _rows(path) -> list[dict]:
 def test_rag_reuse_rows(tiny_model_dir, data, tmp_path):
     out = tmp_path / "rag.jsonl"
     rag_reuse.main(["--model", tiny_model_dir, "--data", data, "--docs", "3", "--doc-tokens", "100", "--pool", "6",
-                    "--prompts", "2", "--continuation", "24", "--ratios", "1", "--out", str(out)])  # fmt: skip
+                    "--prompts", "2", "--continuation", "24", "--ratios", "1", "--epic", "--out", str(out)])  # fmt: skip
     rows = {r["method"]: r for r in _rows(out)}
-    assert list(rows) == ["full-prefill", "prefix-cache", "concat", "blend-1"] and all(RAG_KEYS <= set(r) for r in rows.values())
+    assert list(rows) == ["full-prefill", "prefix-cache", "concat", "blend-1", "epic-1"] and all(RAG_KEYS <= set(r) for r in rows.values())
     assert rows["full-prefill"]["top1_agreement"] == 1 and rows["full-prefill"]["cached_tokens"] == 0
     assert rows["prefix-cache"]["cached_tokens"] == 0  # the same documents, another order: no prefix hit
     assert rows["concat"]["cached_tokens"] == 300 and rows["blend-1"]["cached_tokens"] == 0  # ratio 1 recomputes them all
     assert rows["blend-1"]["top1_agreement"] == 1 and abs(rows["blend-1"]["ppl_rel_delta"]) < 1e-2  # 16-bit raw form
+    assert rows["epic-1"]["cached_tokens"] == 0 and rows["epic-1"]["top1_agreement"] == 1  # EPIC's pick at 1: every token too
 
 
 def test_chat_reuse_rows(tiny_model_dir, data, tmp_path):
@@ -58,9 +59,11 @@ def test_blend_ablation_rows(tiny_model_dir, data, tmp_path):
 
     out = tmp_path / "ablation.jsonl"
     blend_ablation.main(["--model", tiny_model_dir, "--data", data, "--docs", "3", "--doc-tokens", "100", "--pool", "6",
-                         "--prompts", "2", "--continuation", "24", "--variants", "concat", "all:ratio=1", "--out", str(out)])  # fmt: skip
+                         "--prompts", "2", "--continuation", "24", "--variants", "concat", "all:ratio=1",
+                         "epic:engine=1,select=document_starts,ratio=0.5", "--out", str(out)])  # fmt: skip
     summary = {r["variant"]: r for r in _rows(out) if r["row"] == "summary"}
     per_prompt = [r for r in _rows(out) if r["row"] == "prompt"]
-    assert set(summary) == {"concat", "all"} and len(per_prompt) == 4
+    assert set(summary) == {"concat", "all", "epic"} and len(per_prompt) == 6
+    assert summary["epic"]["recompute_share"] == 0.5 and summary["epic"]["spec"]["select"] == "document_starts"
     assert all(r["recompute_share"] == 0 for r in per_prompt if r["variant"] == "concat")
     assert summary["all"]["top1_agreement"] == 1 and abs(summary["all"]["ppl_rel_delta"]) < 1e-2

@@ -5,8 +5,9 @@
 - :mod:`.writer`: :class:`ChunkWriter` (encode every stored level, write, manifest last; background worker);
 - :mod:`.cost`: :class:`CostModel` (the per-token costs the streaming controller plans with);
 - :mod:`.attention`: SDPA attention reading grouped KV heads in place (for models the engine loads);
-- :mod:`.hf`: the transformers side (prefill, generation on a reused KV, stop strings, first-token time;
+- :mod:`.hf`: the transformers side (prefill, generation on a reused KV, stop strings, cancellation, first-token time;
   :class:`UnsupportedModel` for a model whose KV cache it cannot hold exactly);
+- :mod:`.aio`: requests from asyncio (a thread per request; a cancelled one stops within a token);
 - :mod:`.info`: :class:`GenerationInfo` (what one request did).
 
 May import: every layer below it (base, data, keys, coders, codec, stores, ops, streaming); nothing

@@ -10,8 +10,9 @@ remaining layers with attention over the whole blended KV, overwriting their KV 
 With ``scores`` (:func:`question_attention`: how much the question after the documents attends
 to each token over the concatenated caches) the tokens scoring highest are kept instead of the
 deviating ones, picked before layer 0 (no pass over the others: it only serves the deviation).
-Cached tokens given as ``first`` (:func:`last_document_first`: the document right before the
-question) are recomputed before any picked, within the same budget.
+Cached tokens given as ``first`` (:func:`forced_tokens`: the document right before the question, or
+each document's first tokens as EPIC picks them, :func:`document_starts`) are recomputed before any
+picked, within the same budget.
 Tokens with no cached KV (text between documents, documents not in the store) are always
 recomputed, through every layer. Every other token keeps its cached KV at every layer, so
 ``ratio=0`` with nothing to force leaves the KV as it is (plain concatenation) and
@@ -38,7 +39,7 @@ from .rope import Rope, rope_of
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})
 _HAS_GQA = "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
 #: What a blend's budget goes to (``BlendConfig.select``).
-SELECTIONS = ("question", "last_document", "deviation")
+SELECTIONS = ("question", "last_document", "deviation", "document_starts")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class BlendConfig:
     ``"last_document"``: the region's last document first (all of it when it fits; else its first
     ``head_tokens`` and as many of its last tokens as the budget leaves), then the deviation.
     ``"deviation"``: the tokens whose KV deviates most at ``check_layer`` (CacheBlend as published).
+    ``"document_starts"``: each document's first tokens, the budget split evenly over the documents (EPIC's
+    pick, ICML'25: the attention sinks a document computed on its own has in the wrong place).
+    ``sink_tokens``: each document's first ``sink_tokens`` recomputed before the selection picks the rest
+    of the budget (EPIC's sinks beside another rule; 0: none).
     Measured on SmolLM2-135M (``benchmarks.blend_ablation``, rag_reuse's prompts, 4 prompts of
     6 x 1024 tokens, 15 %), perplexity and top-1 agreement against full prefill: deviation +14.6 %
     and 92.6 % (any check layer, keys or values, per document, gradually filtered: within a point);
@@ -74,6 +79,7 @@ class BlendConfig:
     select: str = "question"
     question_tokens: int = 64
     head_tokens: int = 128
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.recompute_ratio <= 1.0:
@@ -82,10 +88,32 @@ class BlendConfig:
             raise ValueError("check_layer must be >= 1 (layer 0's KV does not depend on the context)")
         if self.min_document_tokens < 1 or self.query_block < 1:
             raise ValueError("min_document_tokens and query_block must be >= 1")
-        if self.head_tokens < 0 or self.question_tokens < 1:
-            raise ValueError(f"head_tokens must be >= 0 and question_tokens >= 1, got {self.head_tokens}, {self.question_tokens}")
+        if self.head_tokens < 0 or self.sink_tokens < 0 or self.question_tokens < 1:
+            raise ValueError("head_tokens and sink_tokens must be >= 0 and question_tokens >= 1, got "
+                             f"{self.head_tokens}, {self.sink_tokens}, {self.question_tokens}")
         if self.select not in SELECTIONS:
             raise ValueError(f"select must be one of {SELECTIONS}, got {self.select!r}")
+
+
+#: The blend's quality choices, by name (``KVEngine(blend=...)``, ``from_model_id(blend=...)``): ``"fast"`` (the
+#: default) and ``"balanced"`` recompute the shares of the cached document tokens that held perplexity within +2 %
+#: and +0.5 % of full prefill on the dev transcripts (``docs/results.md``, "The blend's presets"); ``"exact"`` blends
+#: nothing: documents are plain text, reused only inside a stored prefix, so answers are the no-cache answers up to
+#: the stored level's own loss (none at ``level="lossless"`` on a 16-bit model).
+PRESETS: dict[str, BlendConfig | None] = {
+    "fast": BlendConfig(recompute_ratio=0.15),
+    "balanced": BlendConfig(recompute_ratio=0.25),
+    "exact": None,
+}
+
+
+def blend_config(blend: BlendConfig | str | None) -> BlendConfig | None:
+    """The configuration a preset's name stands for (a ``BlendConfig`` as it is; None as ``"exact"``)."""
+    if blend is None or isinstance(blend, BlendConfig):
+        return blend
+    if blend not in PRESETS:
+        raise ValueError(f"blend must be one of {sorted(PRESETS)} or a BlendConfig, got {blend!r}")
+    return PRESETS[blend]
 
 
 def budget(cached: torch.Tensor, ratio: float) -> int:
@@ -109,6 +137,40 @@ def last_document_first(spans: Sequence[tuple[int, int]], start: int, cached: to
         head = min(head_tokens, n)
         at = torch.cat([at[:head], at[len(at) - (n - head) :]])
     first[at] = True
+    return first
+
+
+def _inside(spans: Sequence[tuple[int, int]], start: int, n: int) -> list[tuple[int, int]]:
+    """The parts of ``spans`` inside the region ``[start, start + n)``."""
+    return [(max(s, start), min(e, start + n)) for s, e in spans if s < start + n and e > start]
+
+
+def document_starts(spans: Sequence[tuple[int, int]], start: int, cached: torch.Tensor, n: int) -> torch.Tensor:
+    """EPIC's pick: the first cached tokens of each document of the region ``[start, start + len(cached))``, ``n`` in
+    all split evenly over them (the first ones get the remainder; a document shorter than its share gives all its
+    tokens, the rest is not carried over); bool per region token."""
+    first = torch.zeros_like(cached, dtype=torch.bool)
+    inside = _inside(spans, start, len(cached))
+    for i, (s, e) in enumerate(inside):
+        share = n // len(inside) + (i < n % len(inside))
+        first[(cached[s - start : e - start].nonzero().flatten() + (s - start))[:share]] = True
+    return first
+
+
+def forced_tokens(config: BlendConfig, spans: Sequence[tuple[int, int]], start: int, cached: torch.Tensor,
+                  question: bool) -> torch.Tensor | None:  # fmt: skip
+    """The cached tokens of the region a blend with ``config`` recomputes before it picks any (bool per region token;
+    None: none): EPIC's document starts (the whole budget), the last document (``"last_document"``, or
+    ``"question"`` when no ``question`` follows the region to score with), and each document's first ``sink_tokens``."""
+    n = budget(cached, config.recompute_ratio)
+    first = None
+    if config.select == "document_starts":
+        first = document_starts(spans, start, cached, n)
+    elif config.select == "last_document" or (config.select == "question" and not question):
+        first = last_document_first(spans, start, cached, config.recompute_ratio, config.head_tokens)
+    if config.sink_tokens and n:
+        sinks = document_starts(spans, start, cached, min(n, config.sink_tokens * len(_inside(spans, start, len(cached)))))
+        first = sinks if first is None else first | sinks
     return first
 
 
@@ -271,8 +333,9 @@ def blend(
     cos, sin = (t[0] for t in inner.rotary_emb(h[None], positions[None]))
     rows = torch.arange(n, device=device)  # the region tokens whose hidden state h holds: the queries
     forced = forced.to(device)
-    # scores pick before layer 0: no other token needs a pass (layer 0's KV is context-free); the deviation needs one
-    check_layer = 0 if scores is not None else min(check_layer, len(inner.layers) - 1)
+    # scores pick before layer 0: no other token needs a pass (layer 0's KV is context-free); the deviation needs one,
+    # unless there is nothing for it to pick
+    check_layer = 0 if scores is not None or n_pick == 0 else min(check_layer, len(inner.layers) - 1)
     masks = _masks(positions, end, query_block) if check_layer > 0 else []  # made for the picked rows at the check layer
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn

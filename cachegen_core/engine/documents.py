@@ -32,9 +32,10 @@ from ..errors import BlobMissing, CacheGenError, CacheGenFormatError, StoreError
 from ..kv import KVCache
 from ..keys.manifest import Manifest, manifest_key
 from ..keys.segments import document_pieces
+from ..ops.progress import progress_bar
 from ..streaming import TEXT, Controller, Option, StreamFailure
 from . import hf
-from .blend import BlendConfig, blend, blend_support, budget, last_document_first, question_attention
+from .blend import BlendConfig, blend, blend_support, budget, forced_tokens, question_attention
 from .info import GenerationInfo
 from .reader import report
 from .rope import Rope, shift_keys
@@ -78,6 +79,21 @@ class Reused:
     exact: int
     computed: int = 0
     missing: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Indexed:
+    """What ``store_documents`` did, by each document's index in the list it was given: ``stored`` (computed and
+    written now, ``tokens`` in all), ``present`` (every piece already stored: nothing computed), ``skipped``
+    (shorter than ``BlendConfig.min_document_tokens``, or any document of a model whose documents are never
+    reused, ``blend_support``: prompts hold them as plain text); ``errors`` met
+    looking the documents up (those were computed again)."""
+
+    stored: tuple[int, ...] = ()
+    present: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+    tokens: int = 0
+    errors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -167,13 +183,12 @@ class DocumentCaches:
         cached = torch.zeros(end - start, dtype=torch.bool)
         for x in mine:
             cached[x.chunk.start - start : x.chunk.end - start] = True
-        cfg, first, scores = self.config, None, None
+        cfg, scores = self.config, None
+        first = forced_tokens(cfg, docs, start, cached, question=end < len(ids))
         t = time.perf_counter()
         with self.engine._lock:
             if cfg.select == "question" and end < len(ids) and budget(cached, cfg.recompute_ratio):
                 scores = question_attention(self.engine.model, ids, buffer, start, end, cached, cfg.question_tokens)
-            elif cfg.select != "deviation":
-                first = last_document_first(docs, start, cached, cfg.recompute_ratio, cfg.head_tokens)
             n = blend(self.engine.model, ids, buffer, start, end, cached, cfg.recompute_ratio,
                       check_layer=cfg.check_layer, query_block=cfg.query_block, first=first, scores=scores)  # fmt: skip
         info.blend_s = time.perf_counter() - t
@@ -258,9 +273,10 @@ class DocumentCaches:
             report(info, f"{kind} for document piece {str(f.chunk)[:12]}, recomputed from there: {f.cause}")
 
     # ------------------------------------------------------------ after generation
-    def store(self, ids: Sequence[int], reused: Reused, info: GenerationInfo, seen: set[str]) -> None:
+    def store(self, ids: Sequence[int], reused: Reused, info: GenerationInfo, seen: set[str]) -> list[tuple[int, int]]:
         """Compute each missing document of the prompt on its own and queue its pieces for the writer
-        (``seen``: first piece keys already stored in this batch, added to)."""
+        (``seen``: first piece keys already stored in this batch, added to); returns the spans of those queued."""
+        queued = []
         for s, e in reused.missing:
             pieces = self.pieces(ids[s:e])
             if pieces[0].key in seen:
@@ -271,24 +287,37 @@ class DocumentCaches:
                 for c in pieces:
                     if self.engine.writer.submit(c, kv.slice(c.start, c.end)):
                         info.chunks_queued += 1
+                        queued.append((s + c.start, s + c.end))
             except StoreError as err:  # logged once by the writer
                 info.errors.append(f"storing a document failed: {err}")
             except CacheGenError as err:
                 report(info, f"storing a document failed: {err}")
+        return queued
 
-    def store_documents(self, documents: Sequence[str | Sequence[int]]) -> list[str]:
-        """Compute and write (now) the pieces of each document (text or token ids); returns their keys (none for a
-        model :func:`~.blend.blend_support` refuses: its documents are never read back)."""
-        if self.rope is None:
+    # ------------------------------------------------------------ ahead of any prompt
+    def store_documents(self, documents: Sequence[str | Sequence[int]], progress: bool | None = None) -> Indexed:
+        """Compute and write (now) each document (text, tokenised as a prompt's document is, or token ids) whose pieces
+        are not all stored yet, with a progress bar (``progress``: see ``ops.progress``); says which were written."""
+        if self.rope is None:  # a model blend_support refuses: its documents are never read back
             self._refused()
-            return []
-        keys = []
-        tok = self.engine.tokenizer
-        for doc in (list(tok(d, add_special_tokens=False)["input_ids"]) if isinstance(d, str) else list(d) for d in documents):
-            if not doc:
+            return Indexed(skipped=tuple(range(len(documents))))
+        tok, info = self.engine.tokenizer, GenerationInfo()
+        docs = [list(tok(d, add_special_tokens=False)["input_ids"]) if isinstance(d, str) else list(map(int, d)) for d in documents]
+        use = [i for i, d in enumerate(docs) if len(d) >= self.config.min_document_tokens]
+        pieces = {i: self.pieces(docs[i]) for i in use}
+        have = set(self._lookup(list(dict.fromkeys(c.key for i in use for c in pieces[i])), info, self.engine.level, None))
+        present = [i for i in use if all(c.key in have for c in pieces[i])]
+        stored, tokens = [], 0
+        for i in progress_bar([i for i in use if i not in present], progress, desc="caching documents", unit="document"):
+            if all(c.key in have for c in pieces[i]):  # the same document, written above
+                present.append(i)
                 continue
-            kv = self.compute(doc)
-            for c in self.pieces(doc):
-                self.engine.writer.write(c, kv.slice(c.start, c.end))
-                keys.append(c.key)
-        return keys
+            kv = self.compute(docs[i])
+            for c in pieces[i]:
+                if c.key not in have:
+                    self.engine.writer.write(c, kv.slice(c.start, c.end))
+                    have.add(c.key)
+            stored.append(i)
+            tokens += len(docs[i])
+        skipped = tuple(sorted(set(range(len(docs))) - set(use)))
+        return Indexed(tuple(stored), tuple(sorted(present)), skipped, tokens, tuple(info.errors))

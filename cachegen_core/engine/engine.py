@@ -32,11 +32,11 @@ from ..codec.raw import RawCodec
 from ..keys.segments import SegmentedPrompt, document_spans, tokenize_parts
 from ..streaming import RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
-from .blend import BlendConfig
+from .blend import BlendConfig, blend_config
 from .buffers import BufferPool
 from .cost import CostModel
-from .documents import DocumentCaches, Reused
-from .info import GenerationInfo
+from .documents import DocumentCaches, Indexed, Reused
+from .info import GenerationInfo, covered_tokens
 from .loading import from_pretrained
 from .options import default_options, storable
 from .reader import ChunkReader, report
@@ -65,7 +65,8 @@ class KVEngine:
     ``partial_step``: a prompt's incomplete last chunk is stored rounded down to a multiple of this many
     tokens, so the next prompt extending it reuses it (0: complete chunks only). ``blend``: how the
     documents of a :class:`SegmentedPrompt` are reused from document caches wherever they land
-    (``documents.py``; None: documents are plain text).
+    (``documents.py``): a preset of ``blend.PRESETS`` (``"fast"``, ``"balanced"``, ``"exact"``: documents
+    are plain text, reused only in a prefix) or a ``BlendConfig``; None is ``"exact"``.
     """
 
     def __init__(
@@ -86,7 +87,7 @@ class KVEngine:
         allow_text: bool = True,
         progress: bool | None = None,
         partial_step: int = 64,
-        blend: BlendConfig | None = BlendConfig(),
+        blend: BlendConfig | str | None = "fast",
     ) -> None:
         if chunk_tokens < 1 or partial_step < 0:
             raise ValueError("chunk_tokens must be >= 1 and partial_step >= 0")
@@ -124,7 +125,8 @@ class KVEngine:
         self.progress = progress  # progress bar on store_kv (None: CACHEGEN_PROGRESS, else on a terminal)
         self.metrics_recorder = MetricsRecorder()
         self.partial_step = partial_step
-        self.documents = DocumentCaches(self, blend) if blend is not None else None
+        self.blend = blend_config(blend)
+        self.documents = DocumentCaches(self, self.blend) if self.blend is not None else None
 
     from_pretrained = classmethod(from_pretrained)  # load a model (or take one) and build an engine: loading.py
 
@@ -176,10 +178,12 @@ class KVEngine:
             self.writer.write(c, kv.slice(c.start, c.end))
         return [c.key for c in chunks]
 
-    def store_documents(self, documents: Sequence[str | Sequence[int]]) -> list[str]:
-        """Compute each document's KV on its own and store it now, for any later prompt holding it as a document,
-        wherever (``documents.py``); returns the stored pieces' keys ([] with ``blend=None``)."""
-        return self.documents.store_documents(documents) if self.documents is not None else []
+    def store_documents(self, documents: Sequence[str | Sequence[int]], progress: bool | None = None) -> Indexed:
+        """Compute each document's KV on its own and store it now (unless stored already), for any later prompt holding
+        it as a document, wherever (``documents.py``); says which were stored (every one skipped without a blend)."""
+        if self.documents is None:
+            return Indexed(skipped=tuple(range(len(documents))))
+        return self.documents.store_documents(documents, self.progress if progress is None else progress)
 
     def get_kv(self, chunk_ids: Sequence[str], level: Option | None = None, info: GenerationInfo | None = None) -> KVCache:
         """Fetch and decode chunks (in order) stored as ``level`` (a level or raw form; default the engine's);
@@ -193,26 +197,34 @@ class KVEngine:
         return text
 
     # ------------------------------------------------------------ whole requests
-    def generate(self, prompt: str | Sequence[int], *, streamer: Any = None, **generation_kwargs: Any) -> tuple[str, GenerationInfo]:
+    def generate(self, prompt: str | Sequence[int], *, streamer: Any = None, cancel: threading.Event | None = None,
+                 **generation_kwargs: Any) -> tuple[str, GenerationInfo]:  # fmt: skip
         """Answer ``prompt``, reusing its longest cached run of leading chunks (and partial chunk) and, for a
         :class:`SegmentedPrompt`, its documents' caches wherever they land; returns (text, info).
 
         ``generation_kwargs`` go to transformers' ``generate``, plus ``stop``: a list of
-        strings after which generation stops (the text is returned whole; callers cut it).
+        strings after which generation stops (the text is returned whole; callers cut it), and
+        ``seed`` (sampling's random generators for this request). Setting ``cancel`` (from any
+        thread) stops generation after the token being computed, ``finish_reason`` ``"cancelled"``.
         """
-        return self._answer([prompt], generation_kwargs, streamer=streamer)[0]
+        return self._answer([prompt], generation_kwargs, streamer=streamer, cancel=cancel)[0]
 
-    def generate_many(self, prompts: Sequence[str | Sequence[int]], **generation_kwargs: Any) -> list[tuple[str, GenerationInfo]]:
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], *, cancel: threading.Event | None = None,
+                      **generation_kwargs: Any) -> list[tuple[str, GenerationInfo]]:  # fmt: skip
         """Answer several prompts that arrived together: their cached chunks are streamed as one batch.
 
         A chunk shared by several prompts is fetched and decoded once, and the
         controller plans with the bytes of the whole batch against the SLO.
         """
-        return self._answer(list(prompts), generation_kwargs)
+        return self._answer(list(prompts), generation_kwargs, cancel=cancel)
 
-    def stream(self, prompt: str | Sequence[int], **generation_kwargs: Any) -> Iterator[str | GenerationInfo]:
-        """Yield text pieces as they are generated, then the ``GenerationInfo`` last."""
-        return hf.stream_pieces(self.tokenizer, lambda streamer: self.generate(prompt, streamer=streamer, **generation_kwargs))
+    def stream(self, prompt: str | Sequence[int], *, cancel: threading.Event | None = None,
+               **generation_kwargs: Any) -> Iterator[str | GenerationInfo]:  # fmt: skip
+        """Yield text pieces as they are generated, then the ``GenerationInfo`` last; closing the iterator early
+        stops generation within a token (as setting ``cancel`` does)."""
+        cancel = cancel or threading.Event()
+        run = lambda streamer: self.generate(prompt, streamer=streamer, cancel=cancel, **generation_kwargs)  # noqa: E731
+        return hf.stream_pieces(self.tokenizer, run, cancel)
 
     def prompt_kv(self, prompt: str | Sequence[int]) -> tuple[KVCache, GenerationInfo]:
         """The KV of ``prompt`` as a request builds it (stored chunks streamed, documents' caches moved and blended,
@@ -244,15 +256,19 @@ class KVEngine:
             reused = self.documents.reuse(all_ids, spans, buffers, covered, infos, controller)
         return all_ids, all_chunks, buffers, covered, reused, infos
 
-    def _answer(self, prompts: list[str | Sequence[int]], generation_kwargs: dict[str, Any], streamer: Any = None) -> list[tuple[str, GenerationInfo]]:
+    def _answer(self, prompts: list[str | Sequence[int]], generation_kwargs: dict[str, Any], streamer: Any = None,
+                cancel: threading.Event | None = None) -> list[tuple[str, GenerationInfo]]:  # fmt: skip
         start, new_tokens = time.perf_counter(), int(generation_kwargs.get("max_new_tokens", hf.DEFAULT_MAX_NEW_TOKENS))
         out, seen = [], set()
         with self.writer.busy():  # the background writer encodes no level beside this request
             for i, (prompt, ids, chunks, buffer, done, r, info) in enumerate(zip(prompts, *self._reuse(prompts, new_tokens))):
-                text, _ = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer, computed=r.computed)
-                self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt))
-                if self.documents is not None and r.missing:
-                    self.documents.store(ids, r, info, seen)
+                text, cache = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer,
+                                                 computed=r.computed, cancel=cancel)  # fmt: skip
+                if cache is not None:  # None: cancelled before the prompt was computed, nothing to store
+                    queued = self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt))
+                    if self.documents is not None and r.missing:
+                        queued += self.documents.store(ids, r, info, seen)
+                    info.tokens_queued = covered_tokens(queued)
                 info.total_s = time.perf_counter() - start
                 self.metrics_recorder.record(info, store=repr(self.store), chunk_tokens=self.chunk_tokens,
                                              prefill_s_per_token=self.cost_model.prefill_s_per_token, fetch_counted=i > 0)
@@ -281,15 +297,21 @@ class KVEngine:
     # ------------------------------------------------------------ generation and storing
     def _generate_ids(
         self, ids: list[int], kv: KVCache | None, covered: int, start: float, info: GenerationInfo,
-        generation_kwargs: dict[str, Any], streamer: Any = None, computed: int = 0,
+        generation_kwargs: dict[str, Any], streamer: Any = None, computed: int = 0, cancel: threading.Event | None = None,
     ) -> tuple[str, Any]:  # fmt: skip
         """Generate after ``ids``, the first ``covered`` of which ``kv`` holds (its other tokens: room to write in),
-        ``computed`` of them computed in this request rather than reused."""
+        ``computed`` of them computed in this request rather than reused; returns the text and the model's cache
+        (None: ``cancel`` was set before the prompt was computed)."""
         covered = min(covered, len(ids) - 1)  # generate() needs at least one token to prefill
         info.cached_tokens = max(0, covered - computed)
         info.recomputed_tokens = len(ids) - info.cached_tokens
         with self._lock:
-            out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer, filled=covered)
+            if cancel is not None and cancel.is_set():
+                info.finish_reason = "cancelled"
+                if streamer is not None:
+                    streamer.end()
+                return "", None
+            out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer, filled=covered, cancel=cancel)
         info.new_tokens = out.new_tokens
         info.finish_reason, info.stop_sequence = out.finish_reason, out.stop_sequence
         info.ttft_s = out.ttft_s if out.ttft_s is not None else time.perf_counter() - start
@@ -300,11 +322,12 @@ class KVEngine:
         return out.text, out.cache
 
     def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo, ids: Sequence[int],
-                          exact: int, spans: Sequence[tuple[int, int]] = ()) -> None:  # fmt: skip
+                          exact: int, spans: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:  # fmt: skip
         """Hand the writer, as views of the request's buffer (filled in place, written to no more), the complete chunks
         computed (not fetched) here and the partial chunks ending before ``exact`` (past it reused documents made the KV
-        approximate) and the first document; a reused partial chunk they extend keeps only its levels (``supersede``)."""
-        limit, partial = min(exact, len(ids)), 0 < self.partial_step < self.chunk_tokens
+        approximate) and the first document; a reused partial chunk they extend keeps only its levels (``supersede``).
+        Returns the spans of the prompt queued that were not read from the store (past ``done``)."""
+        limit, partial, queued = min(exact, len(ids)), 0 < self.partial_step < self.chunk_tokens, []
         ends = sorted({limit, *(s for s, _ in spans[:1] if s < limit)}) if partial else []
         for c in [*chunks, *(p for end in ends for p in self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:])]:
             if c.end <= done or c.end > limit:
@@ -312,12 +335,14 @@ class KVEngine:
             try:
                 if self.writer.submit(c, buffer.slice(c.start, c.end)):
                     info.chunks_queued += 1
+                    queued.append((max(c.start, done), c.end))
                     if partial and c.start < done:  # done % chunk_tokens > 0: the partial chunk ending at done
                         self.writer.supersede(self._partials(list(ids[:done]))(c.start)[-1], self.level)
             except StoreError as e:  # logged once by the writer, not per chunk
                 info.errors.append(f"storing chunk {c.index} failed: {e}")
             except CacheGenError as e:
                 report(info, f"storing chunk {c.index} failed: {e}")
+        return queued
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued chunks to be stored; False if ``timeout`` passed first."""

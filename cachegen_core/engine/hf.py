@@ -7,6 +7,7 @@ understands the tokenizer (every subword tokenizer), and a decoded-text check ot
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -244,11 +245,32 @@ def stop_criterion(tokenizer: Any, stops: Sequence[str], prompt_len: int) -> Any
         return _StopOnDecodedText(tokenizer, stops, prompt_len)
 
 
+class _Cancelled:
+    """Stop as soon as ``event`` is set: checked after every generated token."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """The random generators start from ``seed`` inside (and are restored after); nothing when None."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(int(seed))
+        yield
+
+
 @dataclass(frozen=True)
 class Generated:
     """A generation's text, the model's cache after it, new token count, first-token time (None if none),
-    and why it ended: ``"stop"`` (an end-of-sequence token, or the stop string ``stop_sequence``) or
-    ``"length"`` (the token limit)."""
+    and why it ended: ``"stop"`` (an end-of-sequence token, or the stop string ``stop_sequence``),
+    ``"length"`` (the token limit) or ``"cancelled"`` (its ``cancel`` event was set)."""
 
     text: str
     cache: Any
@@ -268,47 +290,60 @@ def generate(
     generation_kwargs: dict[str, Any],
     streamer: Any = None,
     filled: int | None = None,
+    cancel: threading.Event | None = None,
 ) -> Generated:
     """Generate after ``ids``, whose first ``filled`` tokens (default ``past.num_tokens``) ``past`` covers
     (it must leave one); the tokens past ``filled`` are spare capacity the model writes into.
 
     ``generation_kwargs`` go to ``model.generate`` (greedy, 64 new tokens by default), plus
     ``stop``: strings after which generation stops (the text is returned whole; callers
-    cut it). ``start`` is when the request began, for the first-token time.
+    cut it), and ``seed``: the random generators' seed for this generation (restored after it).
+    ``start`` is when the request began, for the first-token time. Setting ``cancel`` stops
+    generation after the token being computed.
     """
     kwargs = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "do_sample": False, **generation_kwargs}
     stops = [s for s in kwargs.pop("stop", None) or [] if s]
-    if stops:
+    seed = kwargs.pop("seed", None)
+    if stops or cancel is not None:
         from transformers import StoppingCriteriaList  # noqa: PLC0415
 
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-        criteria.append(stop_criterion(tokenizer, stops, len(ids)))
+        if stops:
+            criteria.append(stop_criterion(tokenizer, stops, len(ids)))
+        if cancel is not None:
+            criteria.append(_Cancelled(cancel))
         kwargs["stopping_criteria"] = criteria
     if kwargs.get("pad_token_id") is None and tokenizer.pad_token_id is None:
         kwargs["pad_token_id"] = tokenizer.eos_token_id
     timer = FirstTokenTimer(start, streamer)
     input_ids = torch.tensor([list(ids)], device=model.device)
-    out = model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        **cache_arg(model, model_cache(model, past, filled)),
-        streamer=timer,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
+    with _seeded(seed, model.device):
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            **cache_arg(model, model_cache(model, past, filled)),
+            streamer=timer,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
     new = out.sequences[0, len(ids) :]
     text = tokenizer.decode(new, skip_special_tokens=True)
     eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) is not None else None
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     hit = min(((text.find(s), s) for s in stops if s in text), default=(-1, None))[1]
     limit = kwargs.get("max_new_tokens")
-    ended = (new.numel() > 0 and int(new[-1]) in eos_ids) or hit is not None or (limit is not None and new.numel() < limit)
-    return Generated(text, output_cache(out), int(new.numel()), timer.ttft, "stop" if ended else "length", hit)
+    natural = (new.numel() > 0 and int(new[-1]) in eos_ids) or hit is not None
+    if not natural and limit is not None and new.numel() >= limit:
+        reason = "length"
+    else:
+        reason = "cancelled" if not natural and cancel is not None and cancel.is_set() else "stop"
+    return Generated(text, output_cache(out), int(new.numel()), timer.ttft, reason, hit)
 
 
-def stream_pieces(tokenizer: Any, run: Callable[[Any], tuple[str, Any]]) -> Iterator[Any]:
+def stream_pieces(tokenizer: Any, run: Callable[[Any], tuple[str, Any]], cancel: threading.Event | None = None) -> Iterator[Any]:
     """Yield the text pieces ``run(streamer)`` generates (in a thread of its own), then the second item of what it
-    returns; an exception it raises is raised here, in the caller's thread."""
+    returns; an exception it raises is raised here, in the caller's thread. Closing the iterator early sets ``cancel``
+    (which ``run`` is expected to pass to :func:`generate`) and waits for ``run`` to end."""
     from transformers import TextIteratorStreamer  # noqa: PLC0415
 
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -323,10 +358,14 @@ def stream_pieces(tokenizer: Any, run: Callable[[Any], tuple[str, Any]]) -> Iter
 
     thread = threading.Thread(target=target, name="cachegen-generate", daemon=True)
     thread.start()
-    for piece in streamer:
-        if piece:
-            yield piece
-    thread.join()
+    try:
+        for piece in streamer:
+            if piece:
+                yield piece
+    finally:  # also when the caller closes the iterator early: then generation stops within a token
+        if thread.is_alive() and cancel is not None:
+            cancel.set()
+        thread.join()
     if "error" in result:
         raise result["error"]
     yield result["info"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,10 +19,12 @@ class GenerationInfo:
     ``partial_tokens``: tokens reused from a partial chunk (the stored tail of an earlier prompt);
     ``documents``: marked documents after the reused prefix, ``documents_reused`` of them found in the
     store; ``blend_recomputed``: tokens the selective recompute computed (``blend_s`` seconds).
-    ``finish_reason``: ``"stop"`` (end of sequence, or the stop string ``stop_sequence``) or
-    ``"length"`` (the token limit). ``decode_device``: where the compressed chunks streamed were
-    decoded (``"cpu"``, ``"cuda:0"``...: the model's device when the coder has a decoder there that
-    runs, else the CPU, the reason logged once); None when none was.
+    ``finish_reason``: ``"stop"`` (end of sequence, or the stop string ``stop_sequence``),
+    ``"length"`` (the token limit) or ``"cancelled"``. ``tokens_queued``: prompt tokens whose KV this
+    request queued for storing (complete chunks, partial chunks, documents), each counted once and
+    none that it read from the store (LangChain's ``cache_creation``). ``decode_device``: where the
+    compressed chunks streamed were decoded (``"cpu"``, ``"cuda:0"``...: the model's device when the
+    coder has a decoder there that runs, else the CPU, the reason logged once); None when none was.
     """
 
     prompt_tokens: int = 0
@@ -35,6 +38,7 @@ class GenerationInfo:
     total_s: float = 0.0
     new_tokens: int = 0
     chunks_queued: int = 0
+    tokens_queued: int = 0
     errors: list[str] = field(default_factory=list)
     stream: list[dict[str, Any]] = field(default_factory=list)
     text_chunks: int = 0
@@ -49,3 +53,12 @@ class GenerationInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def covered_tokens(spans: Sequence[tuple[int, int]]) -> int:
+    """How many positions the ``(start, end)`` spans cover together (overlaps counted once)."""
+    n, last = 0, 0
+    for s, e in sorted(spans):
+        n += max(0, e - max(s, last))
+        last = max(last, e)
+    return n
