@@ -95,7 +95,7 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
                     "bytes_per_context": int(stored / len(prompts)),
                     "miss_overhead_rel": round(statistics.median(f / p for f, p in zip(first, plain)) - 1, 4) if run == "cold" else None,
                     "plain_ttft_p50_s": round(statistics.median(plain), 4), "context_tokens": args.context_tokens,
-                    "coder": engine.codec.coder.name, "profile": engine.codec.profile_id,
+                    "coder": engine.codec.coder.name if engine.codec.coder else None, "profile": engine.codec.profile_id,
                 })  # fmt: skip
 
 
