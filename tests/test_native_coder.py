@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -288,3 +289,15 @@ def test_registry_prefers_native_and_falls_back_to_reference(monkeypatch):
         coders.available_coders.cache_clear()
         coders.get_coder.cache_clear()
     assert default_coder().name == NativeCoder.name
+
+
+def test_a_torchac_that_does_not_load_is_a_typed_error(monkeypatch):
+    """torchac compiles its extension on first import: where that fails (no compiler), coding with it raises
+    BackendUnavailable, which the engine handles, never an ImportError from deep inside a request."""
+    from cachegen_core.coders import reference
+    from cachegen_core.errors import BackendUnavailable
+
+    monkeypatch.setattr(reference, "_torchac", None)
+    monkeypatch.setitem(sys.modules, "torchac", None)  # an import that fails
+    with pytest.raises(BackendUnavailable, match="torchac is installed but does not load"):
+        reference._backend()

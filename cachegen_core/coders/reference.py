@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..errors import CoderError
+from ..errors import BackendUnavailable, CoderError
 from .base import StreamLayout, validate_freqs
 
 _torchac = None
@@ -31,11 +31,16 @@ def available() -> bool:
 
 
 def _backend():
-    """Import torchac lazily: its first import compiles a C++ extension (tens of seconds)."""
+    """Import torchac lazily: its first import compiles a C++ extension (tens of seconds, and a compiler)."""
     global _torchac
     if _torchac is None:
-        import torchac  # noqa: PLC0415
-
+        try:
+            import torchac  # noqa: PLC0415
+        except Exception as e:  # installed, but its extension does not build or load here (no compiler, another torch)
+            raise BackendUnavailable(
+                f"torchac is installed but does not load ({type(e).__name__}: {e}); install the wheel with the native "
+                "coder (make wheel) or a C++ compiler"
+            ) from e
         _torchac = torchac
     return _torchac
 
