@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     from cachegen_core.codec.config import CodecConfig
     from cachegen_core.keys.fingerprint import model_fingerprint
     from cachegen_core.kv import KVCache
-    from cachegen_core.codec.profile import find_profile
+    from cachegen_core.codec.profiles import find_profile
 
     model, tok = load(args.model)
     fp = model_fingerprint(model, tok)

@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 import torch
 
 from ..codec.config import CodecConfig
-from ..codec.profile import Profile, find_profile
+from ..codec.profile import Profile
+from ..codec.profiles import find_profile
 from ..keys.fingerprint import model_fingerprint
 from ..models import load_model
 from ..ops.settings import engine_options
