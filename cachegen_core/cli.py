@@ -86,8 +86,8 @@ def _profile(args: argparse.Namespace) -> int:
         return 2
     fp = model_fingerprint(model, tok)
     config = CodecConfig()
-    plan = FitPlan(texts=len(texts), tokens=args.max_tokens, chunk_tokens=args.chunk_tokens,
-                   contexts=tuple(c for c in (args.chunk_tokens, 4096) if c + 256 <= args.max_tokens) or (args.max_tokens // 2,))  # fmt: skip
+    context = args.chunk_tokens if args.chunk_tokens + 256 <= args.max_tokens else args.max_tokens // 2
+    plan = FitPlan(texts=len(texts), tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, contexts=(context,))
     t1 = time.perf_counter()
     profile = fit_profile(model, tok, texts, config, plan=plan, fingerprint=fp, rotary=RotarySpec.from_model(model),
                           progress=lambda xs: tqdm(xs, desc="fitting", unit="text", file=sys.stderr),

@@ -12,11 +12,11 @@ import torch
 
 from cachegen_core.codec import classes
 from cachegen_core.codec.config import CodecConfig
-from cachegen_core.codec.fitting import FitPlan, fit_profile
+from cachegen_core.codec.fitting import CALIBRATION, FitPlan, calibration_texts, fit_profile
 from cachegen_core.codec.format import unpack
 from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.codec.profile import Profile
-from cachegen_core.codec.profiles import default_profile_path, find_profile
+from cachegen_core.codec.profiles import SHIPPED, default_profile_path, find_profile
 from cachegen_core.codec.rotary import RotarySpec
 from cachegen_core.engine import KVEngine
 from cachegen_core.engine.profiles import ProfileFitter, profile_key, publish, read_published
@@ -115,6 +115,18 @@ def test_a_stale_profile_is_reported_once_with_the_refit_command(tmp_path, caplo
     assert find_profile("f" * 40, cfg).id == mine.id
 
 
+def test_the_shipped_profile_is_the_reference_models_for_this_codec():
+    """Fails when the codec configuration changes without the shipped profile being refitted (its README says how)."""
+    files = sorted(SHIPPED.glob("*.safetensors"))
+    assert len(files) == 1 and files[0].stat().st_size <= 2 << 20
+    prof = Profile.load(files[0])
+    assert prof.codec_id == CodecConfig().codec_id, "refit cachegen_core/profiles/ (see its README)"
+    assert files[0].name == f"{prof.model_fingerprint[:32]}-{prof.codec_id}.safetensors"
+    assert (prof.meta["num_layers"], prof.meta["kv_heads"], prof.meta["head_dim"]) == (30, 3, 64)
+    assert prof.transform is not None and prof.rotary is not None
+    assert len(calibration_texts(CALIBRATION)) == 2
+
+
 def test_published_profiles_first_writer_wins_and_are_signed(tiny_llama):
     inner = MemoryStore()
     store = SignedStore(inner, KEY)
@@ -181,3 +193,11 @@ def test_a_process_exits_cleanly_while_its_engine_fits_a_profile(tiny_model_dir,
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
     assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_fresh_install_codes_the_reference_model_with_the_shipped_profile():
+    from cachegen_core import models
+
+    eng = KVEngine.from_pretrained(models.REFERENCE_MODEL, store=MemoryStore(), background=False)
+    assert eng.profile_fitter is None and eng.codec.profile_id == Profile.load(next(SHIPPED.glob("*.safetensors"))).id

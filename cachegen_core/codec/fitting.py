@@ -51,7 +51,7 @@ class FitPlan:
 
     texts: int = 2
     tokens: int = 4096
-    contexts: tuple[int, ...] = (1536, 4096)
+    contexts: tuple[int, ...] = (1536,)
     continuation: int = 256
     chunk_tokens: int = 1536
     piece_tokens: int = 1024
