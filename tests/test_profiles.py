@@ -113,6 +113,10 @@ def test_a_stale_profile_is_reported_once_with_the_refit_command(tmp_path, caplo
     mine = Profile.fit(cfg, [kv], chunk_tokens=32, model_fingerprint="f" * 40)
     mine.save(default_profile_path("f" * 40, cfg))
     assert find_profile("f" * 40, cfg).id == mine.id
+    default_profile_path("f" * 40, cfg).write_bytes(b"damaged")  # skipped, and said once, never a crash
+    with caplog.at_level(logging.WARNING, logger="cachegen_core.codec.profiles"):
+        assert find_profile("f" * 40, cfg) is None and find_profile("f" * 40, cfg) is None
+    assert len(caplog.records) == 2 and "not a cachegen profile" in caplog.records[1].getMessage()
 
 
 def test_the_shipped_profile_is_the_reference_models_for_this_codec():

@@ -65,7 +65,8 @@ class KVCodec:
         self.config = config or CodecConfig()
         if profile is not None and profile.codec_id != self.config.codec_id:
             raise ValueError(
-                f"profile was fitted for codec {profile.codec_id}, not {self.config.codec_id}; refit it with this config"
+                f"profile was fitted for codec {profile.codec_id}, not {self.config.codec_id}: refit it with this configuration "
+                "(`cachegen profile --model MODEL`)"
             )
         if profile is not None:
             if rotary is not None and (profile.rotary is None or profile.rotary.id != rotary.id):

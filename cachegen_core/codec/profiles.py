@@ -46,24 +46,27 @@ def refit_command(model: str = "MODEL") -> str:
 
 
 def find_profile(model_fingerprint: str, config: CodecConfig, *, model: str = "MODEL") -> Profile | None:
-    """The profile of this model and codec: the user cache's, else a shipped one, else None. Profiles of
-    this model for another codec or format are reported once (``stale_profiles``); ``model`` names the
-    model in that report's refit command."""
+    """The profile of this model and codec: the user cache's, else a shipped one, else None. A file of this
+    model that cannot be used (damaged, another codec or format: ``stale_profiles``) is reported once, and
+    skipped; ``model`` names the model in that report's refit command."""
     path = default_profile_path(model_fingerprint, config)
     candidates = [path] if path.exists() else []
     candidates += sorted(SHIPPED.glob(f"{model_fingerprint[:32]}-{config.codec_id}.safetensors"))
     for p in candidates:
-        profile = Profile.load(p)
-        if profile.model_fingerprint != model_fingerprint or profile.codec_id != config.codec_id:
-            raise CacheGenFormatError(f"profile {p} belongs to another model or codec")
-        return profile
+        try:
+            profile = Profile.load(p)
+            if profile.model_fingerprint != model_fingerprint or profile.codec_id != config.codec_id:
+                raise CacheGenFormatError("it names another model or codec than its file name")
+            return profile
+        except CacheGenFormatError as e:
+            _report(p, str(e), model)
     for p, why in stale_profiles(model_fingerprint, config):
         _report(p, why, model)
     return None
 
 
 def stale_profiles(model_fingerprint: str, config: CodecConfig) -> list[tuple[Path, str]]:
-    """Profile files of this model that this codec cannot use, and why: (path, reason)."""
+    """Profile files of this model for another codec id or format, and why this codec cannot use them."""
     out = []
     for d in (profile_dir(), SHIPPED):
         for p in sorted(d.glob(f"{model_fingerprint[:32]}-*.safetensors")) if d.is_dir() else ():
