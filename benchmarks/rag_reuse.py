@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl, setup_threads
+from benchmarks.common import Rows, load, parser, setup_threads, transcripts
 from cachegen_core.hfcompat import cache_arg
 
 INSTRUCTION = "Answer the question using these conversation records.\n\n"
@@ -41,9 +41,8 @@ QUESTION = "\n\nQuestion: how does the last record go on?\nAnswer:"
 
 
 def add_prompt_options(ap: argparse.ArgumentParser, prompts: int) -> None:
-    """The options that shape the prompts (model, data, documents, continuation), shared with ``blend_ablation``."""
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
+    """The options that shape the prompts (documents, continuation), shared with ``blend_ablation``; ``--model``
+    and ``--data`` come with :func:`benchmarks.common.parser`."""
     ap.add_argument("--docs", type=int, default=6, help="documents per prompt")
     ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--pool", type=int, default=12, help="documents the prompts draw from")
@@ -85,13 +84,20 @@ def score(model: Any, kv: Any, last: int, continuation: list[int]) -> tuple[floa
     return nll, two.indices[:, 0], two.values[:, 0] - two.values[:, 1]
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="2 prompts, ratios 0.15 only")
     add_prompt_options(ap, prompts=3)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.3])
-    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
-    ap.add_argument("--quick", action="store_true", help="2 prompts, ratios 0.15 only")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
+    with Rows("rag_reuse", args.out, argv) as out:
+        run(args, out)
+
+
+def run(args: argparse.Namespace, out: Rows) -> None:
     if args.quick:
         args.prompts, args.ratios = 2, [0.15]
     setup_threads()
@@ -101,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     from cachegen_core.stores import MemoryStore  # noqa: PLC0415
 
     model, tok = load(args.model)
-    pool = document_pool(tok, read_jsonl(args.data, "prompt"), args.doc_tokens, args.continuation, args.pool)
+    pool = document_pool(tok, transcripts(args.data), args.doc_tokens, args.continuation, args.pool)
     if len(pool) < args.docs:
         sys.exit(f"only {len(pool)} documents of {args.doc_tokens} tokens in {args.data}")
     rng = random.Random(1)
@@ -146,10 +152,9 @@ def main(argv: list[str] | None = None) -> None:
                 t.setdefault(name, []).append(value)
             print(f"# prompt {n}: {key[0]} ttft {info.ttft_s:.3f} s, cached {info.cached_tokens}, nll {nll / len(cont):.4f}", file=sys.stderr)
 
-    out = open(args.out, "a") if args.out else None
     ref = tally[("full-prefill", None)]
     for (name, ratio), t in tally.items():
-        emit({
+        out.emit({
             "method": name,
             "recompute_ratio": ratio,
             "docs": args.docs,
@@ -160,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             "cached_tokens": round(statistics.mean(t["cached_tokens"])),
             "ttft_speedup": round(statistics.mean(ref["ttft_s"]) / statistics.mean(t["ttft_s"]), 2),
             "prompts": len(picks),
-        }, out)  # fmt: skip
+        })  # fmt: skip
 
 
 if __name__ == "__main__":

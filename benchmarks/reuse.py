@@ -1,6 +1,6 @@
 """Context reuse on the RAG workload: N transcripts as contexts, each asked 3 questions, cold then warm.
 
-    python -m benchmarks.reuse [--quick] [--stores memory disk redis] [--contexts N] [--context-tokens T]
+    python -m benchmarks.reuse [--quick] [--stores memory disk redis] [--contexts N] [--context-tokens T] [--out F]
 
 One JSON line per (store, run) with ``store``, ``run`` (``cold``: empty store, new
 chunks stored in the background; ``warm``: the same requests again), ``requests``,
@@ -16,15 +16,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
 
-from benchmarks.common import DEFAULT_MODEL, add_data_option, emit, load, read_jsonl, setup_threads
-from cachegen_core.testing import running_redis_server
+from benchmarks.common import HELD_OUT, Rows, fresh_store, load, parser, setup_threads, transcripts
 
 QUESTIONS = [
     "What was the first topic we discussed?",
@@ -33,48 +30,27 @@ QUESTIONS = [
 ]
 
 
-@contextmanager
-def redis_server() -> Iterator[str]:
-    """The URL of a throwaway redis-server on a free loopback port (stopped on exit)."""
-    with running_redis_server() as server:
-        yield server.url
-
-
-@contextmanager
-def make_store(kind: str) -> Iterator[Any]:
-    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: PLC0415
-
-    if kind == "memory":
-        yield MemoryStore()
-    elif kind == "disk":
-        with tempfile.TemporaryDirectory() as d:
-            store = DiskCacheStore(d)
-            yield store
-            store.close()
-    elif kind == "redis":
-        with redis_server() as url:
-            store = RedisStore(url)
-            yield store
-            store.close()
-    else:
-        raise ValueError(kind)
-
-
 def pct(xs: list[float], q: float) -> float:
     return round(float(np.percentile(xs, q)), 4)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="1 context of 3072 tokens, memory and disk stores")
     ap.add_argument("--stores", nargs="+", default=["memory", "disk", "redis"])
     ap.add_argument("--contexts", type=int, default=3)
     ap.add_argument("--context-tokens", type=int, default=4608)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--quick", action="store_true", help="1 context of 3072 tokens, memory and disk stores")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
+    with Rows("reuse", args.out, argv) as rows:
+        run(args, rows)
+
+
+def run(args: argparse.Namespace, rows: Rows) -> None:
     if args.quick:
         args.contexts, args.context_tokens, args.stores = 1, 3072, [s for s in args.stores if s != "redis"] or ["memory"]
     setup_threads()
@@ -85,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     from langchain_cachegen.chat_models import render_prompt  # noqa: PLC0415
 
     model, tok = load(args.model)
-    texts = read_jsonl(args.data, "prompt")[10 : 10 + args.contexts]
+    texts = transcripts(args.data, HELD_OUT, args.contexts)
     contexts = [tok.decode(tok(t, add_special_tokens=False)["input_ids"][: args.context_tokens]) for t in texts]
     prompts = [[render_prompt(tok, [SystemMessage(c), HumanMessage(q)]) for q in QUESTIONS] for c in contexts]
     gen = {"max_new_tokens": args.max_new_tokens}
@@ -94,12 +70,12 @@ def main(argv: list[str] | None = None) -> None:
     plain = []
     for ps in prompts:
         info = GenerationInfo()
-        plain_engine._generate_ids(ps[0], None, time.perf_counter(), info, gen)
+        plain_engine._generate_ids(ps[0], None, 0, time.perf_counter(), info, gen)
         plain.append(info.ttft_s)
     print(f"# plain model TTFT per context: {[round(t, 2) for t in plain]}", file=sys.stderr)
 
     for kind in args.stores:
-        with make_store(kind) as store:
+        with fresh_store(kind) as store:
             engine = KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens)
             for run in ("cold", "warm"):
                 ttfts, cached, total, first = [], 0, 0, []
@@ -113,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                             first.append(info.ttft_s)
                 engine.flush()
                 stored = sum(len(store.get(k) or b"") for k in store.keys())
-                emit({
+                rows.emit({
                     "store": kind, "run": run, "requests": len(ttfts), "hit_rate": round(cached / total, 4),
                     "ttft_p50_s": pct(ttfts, 50), "ttft_p95_s": pct(ttfts, 95),
                     "bytes_per_context": int(stored / len(prompts)),

@@ -1,6 +1,6 @@
 """Time to first token of a long cached context streamed over a fluctuating link.
 
-    python -m benchmarks.ttft [--quick] [--traces FILE] [--geometry smollm2|7b] [--plot FILE.png]
+    python -m benchmarks.ttft [--quick] [--traces FILE] [--geometry smollm2|7b] [--plot FILE.png] [--out F]
 
 Measured here, on the reference model and a real transcript: the blob size of every
 chunk at every level, the native decoder's time per chunk, and the model's prefill time
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, LONGCHAT, TRACES, add_data_option, best_time, emit, load, read_jsonl, setup_threads
+from benchmarks.common import HELD_OUT, LONGCHAT, TRACES, Rows, best_time, load, parser, read_jsonl, results, setup_threads, transcripts
 from cachegen_core.streaming import TEXT, ChunkCost, choose, make_estimator
 
 
@@ -149,7 +148,7 @@ def measure(
     fp = model_fingerprint(model, tok)
     config = CodecConfig()
     codec = KVCodec(config, find_profile(fp, config), fingerprint=fp)
-    ids = tok(read_jsonl(data, "prompt")[10])["input_ids"][:context_tokens]
+    ids = tok(transcripts(data, HELD_OUT, 1)[0])["input_ids"][:context_tokens]
     t = time.perf_counter()
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
@@ -211,7 +210,7 @@ def quality_of(path: Path, context_tokens: int) -> dict[Any, float]:
     """ppl_rel_delta per level (and for uniform8) from the quality/size results, nearest context length."""
     if not path.exists():
         return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = results(path)
     if not rows:
         return {}
     c = min({r["context_tokens"] for r in rows}, key=lambda x: abs(x - context_tokens))
@@ -283,10 +282,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="one context length of 3 chunks")
     ap.add_argument("--traces", default=str(TRACES))
     ap.add_argument("--context-tokens", type=int, nargs="+", default=[7680, 8192])
     ap.add_argument("--chunk-tokens", type=int, default=1536)
@@ -301,13 +298,22 @@ def main(argv: list[str] | None = None) -> None:
                          "instead of measuring it on this machine")  # fmt: skip
     ap.add_argument("--quality", default="docs/data/quality_size.jsonl")
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--quick", action="store_true", help="one context length of 3 chunks")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = arguments()
     args = ap.parse_args(argv)
     if args.quick:
         args.context_tokens = [3 * args.chunk_tokens]
     if args.geometry == "7b" and not args.prefill_tokens_per_s:
         ap.error("--geometry 7b needs --prefill-tokens-per-s (the 7B model's prefill speed on your GPU)")
     setup_threads()
+    with Rows("ttft", args.out, argv) as out:
+        run(args, out)
+
+
+def run(args: argparse.Namespace, out: Rows) -> None:
     base_traces = [r["bw_gbps"] for r in read_jsonl(args.traces)]
     rows: list[dict[str, Any]] = []
     for ctx in args.context_tokens:
@@ -336,11 +342,11 @@ def main(argv: list[str] | None = None) -> None:
                     if args.geometry == "7b" or args.decode_s_per_chunk:
                         row["projection"] = True
                         row["measured"], row["given"] = measured, given
-                    emit(row)
+                    out.emit(row)
                     rows.append(row)
     for scale in args.bandwidth_scale:
         for summary in summarise([r for r in rows if r["bandwidth_scale"] == scale]):
-            emit({**summary, "geometry": args.geometry, "bandwidth_scale": scale})
+            out.emit({**summary, "geometry": args.geometry, "bandwidth_scale": scale})
     if args.plot:
         first = args.context_tokens[0], args.bandwidth_scale[0]
         plot([r for r in rows if (r["context_tokens"], r["bandwidth_scale"]) == first], args.plot)

@@ -1,7 +1,7 @@
 """Time to first token measured end to end: the engine streams a stored context from a real
 redis-server through a loopback TCP proxy shaped to each bandwidth trace.
 
-    python -m benchmarks.ttft_live [--quick] [--traces FILE] [--bandwidth-scale S] [--slice-s T]
+    python -m benchmarks.ttft_live [--quick] [--traces FILE] [--bandwidth-scale S] [--slice-s T] [--out F]
 
 This checks on a real socket what the event timeline of ``benchmarks.ttft`` predicts. A
 context of ``--context-tokens`` tokens is stored at every level over a direct connection;
@@ -35,8 +35,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, TRACES, add_data_option, emit, read_jsonl, setup_threads
-from benchmarks.reuse import redis_server
+from benchmarks.common import HELD_OUT, TRACES, Rows, parser, read_jsonl, setup_threads, transcripts
 from benchmarks.throttled_proxy import ThrottledProxy
 from benchmarks.ttft import Link, Workload, quality_of, simulate, summarise
 from cachegen_core.kv import KVCache
@@ -98,7 +97,8 @@ def fetch_pipelined(get: Callable[[int], bytes], n: int, convert: Callable[[byte
 
 
 # ------------------------------------------------------------------ the runs
-def _row(trace: int, policy: str, factor: float, text_s: float, r: dict[str, Any], pred: dict[str, Any], args: Any) -> dict[str, Any]:
+def _row(trace: int, policy: str, factor: float, text_s: float, r: dict[str, Any], pred: dict[str, Any], args: Any,
+         out: Rows) -> dict[str, Any]:  # fmt: skip
     """One JSON line (emitted) for a measured run ``r`` and the timeline's prediction ``pred`` of it."""
     used = [o for o in r["options"] if isinstance(o, int)]
     row = {"trace": trace, "policy": policy, "slo_s": round(factor * text_s, 3), "slo_factor": factor,
@@ -108,22 +108,28 @@ def _row(trace: int, policy: str, factor: float, text_s: float, r: dict[str, Any
            "bandwidth_scale": args.bandwidth_scale}  # fmt: skip
     q = [args.quality_of.get(o) for o in r["options"]] if policy not in ("fp16", "uniform8") else [args.quality_of.get(policy)]
     row["quality_proxy"] = round(float(np.mean(q)), 5) if q and None not in q else None
-    emit(row)
+    out.emit(row)
     return row
 
 
-def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    add_data_option(ap)
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, quick_help="3 chunks, the first trace, SLO 1x only")
     ap.add_argument("--traces", default=str(TRACES))
     ap.add_argument("--context-tokens", type=int, default=7680)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--slice-s", type=float, default=0.5, help="seconds per bandwidth sample")
     ap.add_argument("--bandwidth-scale", type=float, default=0.02, help="multiply every trace sample")
     ap.add_argument("--quality", default="docs/data/quality_size.jsonl", help="ppl_rel_delta per level, for quality_proxy")
-    ap.add_argument("--quick", action="store_true", help="3 chunks, the first trace, SLO 1x only")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
+    with Rows("ttft_live", args.out, argv) as out:
+        run(args, out)
+
+
+def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
     traces = [[g * args.bandwidth_scale for g in r["bw_gbps"]] for r in read_jsonl(args.traces)]
     factors = (0.5, 1.0, 2.0)
     if args.quick:
@@ -136,12 +142,14 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
     from cachegen_core.keys.chunks import blob_key  # noqa: PLC0415
     from cachegen_core.engine import KVEngine  # noqa: PLC0415
     from cachegen_core.stores import RedisStore  # noqa: PLC0415
+    from cachegen_core.testing import running_redis_server  # noqa: PLC0415
 
-    with redis_server() as url:
+    with running_redis_server() as server:
+        url = server.url
         direct = RedisStore(url, namespace="ttft-live")
         writer = KVEngine.from_pretrained(args.model, store=direct, chunk_tokens=args.chunk_tokens, background=False)
         tok = writer.tokenizer
-        ids = tok(read_jsonl(args.data, "prompt")[10])["input_ids"][: args.context_tokens]
+        ids = tok(transcripts(args.data, HELD_OUT, 1)[0])["input_ids"][: args.context_tokens]
         prompt = ids + tok(QUESTION, add_special_tokens=False)["input_ids"]
         t = time.perf_counter()
         keys = writer.store_kv(ids)
@@ -223,16 +231,16 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
                     r = run()
                     w = workload()
                     for fa in factors if factor is None else (factor,):
-                        rows.append(_row(ti, pol, fa, text_s, r, simulate(w, Link(trace, args.slice_s), pol, fa * text_s, levels), args))
+                        rows.append(_row(ti, pol, fa, text_s, r, simulate(w, Link(trace, args.slice_s), pol, fa * text_s, levels), args, out))
                 for fa in factors:
                     r = {"ttft_s": text_s, "options": [TEXT] * len(keys), "bytes": 0}
-                    rows.append(_row(ti, "text", fa, text_s, r, simulate(workload(), Link(trace, args.slice_s), "text", None, levels), args))
+                    rows.append(_row(ti, "text", fa, text_s, r, simulate(workload(), Link(trace, args.slice_s), "text", None, levels), args, out))
                 reader.store.close()
                 link["client"].close()
         for s in summarise(rows):
             errs = [abs(r["predicted_ttft_s"] / r["ttft_s"] - 1) for r in rows if r["policy"] == s["policy"]]
             s["prediction_error_median"] = round(float(np.median(errs)), 4)
-            emit(s)
+            out.emit(s)
         direct.close()
 
 

@@ -1,6 +1,6 @@
 """Warm time to first token of every way to reuse a stored context, on every store and link (issue 15).
 
-    python -m benchmarks.warm_path [--quick] [--data F] [--device cpu|cuda] [--out F.jsonl]
+    python -m benchmarks.warm_path [--quick] [--data F] [--device cpu|cuda] [--out F]
     python -m benchmarks.warm_path --device cuda --model llama-7b-shaped --contexts 7680 \
         --stores memory redis redis@10gbps        # the GPU target: a 7B-shaped model, timing only
 
@@ -45,17 +45,15 @@ import contextlib
 import gc
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from benchmarks.common import DEFAULT_MODEL, SHAPED, add_data_option, best_time, emit, is_shaped, load, read_jsonl, setup_threads
+from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, parser, setup_threads, transcripts
 from cachegen_core.keys.chunks import chunk_keys
 from cachegen_core.engine import KVEngine, hf
 from cachegen_core.engine.attention import use_gqa_attention
@@ -111,19 +109,10 @@ NAIVE: dict[str, tuple[Callable[[KVCache], bytes], Callable[[bytes, KVCache], No
 
 
 # ------------------------------------------------------------------ stores and links
-@contextlib.contextmanager
-def open_store(kind: str, redis_url: str | None) -> Iterator[Any]:
-    from cachegen_core.stores import DiskCacheStore, MemoryStore, RedisStore  # noqa: PLC0415
-
-    if kind == "memory":
-        yield MemoryStore()
-    elif kind == "disk":
-        with tempfile.TemporaryDirectory(prefix="cachegen-warm-") as d, DiskCacheStore(Path(d)) as s:
-            yield s
-    else:
-        assert redis_url is not None
-        with RedisStore(redis_url, socket_timeout=600.0, namespace=f"warm-{kind}:") as s:
-            yield s
+def open_store(kind: str, redis_url: str | None) -> contextlib.AbstractContextManager[Any]:
+    """An empty store of ``kind``; Redis kinds (the server itself or a shaped link to it) at ``redis_url``."""
+    assert redis_url is not None or not kind.startswith("redis")
+    return fresh_store(kind, redis_url, socket_timeout=600.0, namespace=f"warm-{kind}:")
 
 
 @contextlib.contextmanager
@@ -224,11 +213,8 @@ def rans_rate(engine: KVEngine, kv: KVCache) -> float:
 
 
 # ------------------------------------------------------------------ the run
-def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_data_option(ap)
-    ap.add_argument("--model", default=DEFAULT_MODEL, help=f"a model name or path, or {SHAPED} (random weights, timing only)")
-    ap.add_argument("--device", default="cpu")
+def arguments() -> argparse.ArgumentParser:
+    ap = parser(__doc__, device=True, quick_help="one 3K context, one transcript, one rep: under 10 minutes on 2 cores")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="the model's dtype (default: as saved; bfloat16 for a shaped model)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[3072, 7680], help="context tokens (multiples of the chunk)")
@@ -236,17 +222,23 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
     ap.add_argument("--stores", nargs="+", default=DEFAULT_STORES, choices=["memory", "disk", "redis", *LINKS])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
-    ap.add_argument("--quick", action="store_true", help="one 3K context, one transcript, one rep: under 10 minutes on 2 cores")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--miss-contexts", type=int, default=4, help="distinct contexts for the miss-path rows (0: none)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
+    with Rows("warm_path", args.out, argv) as out:
+        run(args, out)
+
+
+def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
     if args.quick:
         args.contexts, args.transcripts, args.reps, args.miss_contexts = [3072], 1, 1, 2
     setup_threads()
     model, tok = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     use_gqa_attention(model)  # as KVEngine.from_pretrained does; every policy, baselines included, runs on it
-    texts = read_jsonl(args.data, "prompt")[10 : 10 + args.transcripts]
-    out = open(args.out, "w") if args.out else None  # noqa: SIM115
+    texts = transcripts(args.data, HELD_OUT, args.transcripts)
     t_start = time.perf_counter()
     with redis_links(args.stores) as urls:
         for tokens in args.contexts:
@@ -255,17 +247,15 @@ def main(argv: list[str] | None = None) -> None:  # noqa: PLR0915
                 link = LINKS.get(store_kind)
                 rows = _measure_store(args, model, tok, contexts, store_kind, urls.get(store_kind, urls.get("redis")), link)
                 for r in rows:
-                    emit(r, out)
+                    out.emit(r)
                 _summary(rows, store_kind, tokens, out)
                 if args.miss_contexts and store_kind in ("memory", "disk", "redis"):
-                    miss_texts = read_jsonl(args.data, "prompt")[12 : 12 + args.miss_contexts]
-                    emit(miss_path(args, model, tok, store_kind, urls.get(store_kind), tokens, miss_texts), out)
+                    miss_texts = transcripts(args.data, HELD_OUT + 2, args.miss_contexts)
+                    out.emit(miss_path(args, model, tok, store_kind, urls.get(store_kind), tokens, miss_texts))
                 # once each store's engines and kept buffers stayed alive (20 GB at 7.5K by the disk store, the page
                 # cache evicted): they are closed now, and anything else left in a cycle is collected here
                 gc.collect()
             print(f"# {tokens} tokens done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
-    if out is not None:
-        out.close()
 
 
 def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kind: str, url: str | None, link: float | None) -> list[dict[str, Any]]:
@@ -362,14 +352,14 @@ def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, token
             "per_request_storing_s": [round(t, 3) for t in times["storing"]], "per_request_plain_s": [round(t, 3) for t in times["plain"]]}  # fmt: skip
 
 
-def _summary(rows: list[dict[str, Any]], store: str, tokens: int, out: Any) -> None:
+def _summary(rows: list[dict[str, Any]], store: str, tokens: int, out: Rows) -> None:
     by = {r["policy"]: r for r in rows}
     auto, fp16 = by.get("cachegen-auto"), by.get("fp16")
     if auto and fp16:
-        emit({"summary": "auto_vs_fp16", "store": store, "context_tokens": auto["context_tokens"],
-              "auto_over_fp16": round(auto["ttft_s"] / fp16["ttft_s"], 3),
-              "fp16_over_auto": round(fp16["ttft_s"] / auto["ttft_s"], 3),
-              "text_over_auto": round(by["text"]["ttft_s"] / auto["ttft_s"], 3) if "text" in by else None}, out)  # fmt: skip
+        out.emit({"summary": "auto_vs_fp16", "store": store, "context_tokens": auto["context_tokens"],
+                  "auto_over_fp16": round(auto["ttft_s"] / fp16["ttft_s"], 3),
+                  "fp16_over_auto": round(fp16["ttft_s"] / auto["ttft_s"], 3),
+                  "text_over_auto": round(by["text"]["ttft_s"] / auto["ttft_s"], 3) if "text" in by else None})  # fmt: skip
 
 
 if __name__ == "__main__":

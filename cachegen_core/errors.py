@@ -20,7 +20,7 @@ class StoreError(CacheGenError):
 
 
 class BackendUnavailable(CacheGenError, RuntimeError):
-    """A coder or decoder backend asked for cannot run here (no GPU, no nvcc, library not built...).
+    """A coder or decoder backend asked for cannot run here (no GPU, no Triton, library not built...).
 
     Not a ``CacheGenFormatError``: the blob is fine, this process is not set up to decode it so.
     """

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 import mmap
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from .errors import CacheGenError
@@ -44,6 +47,70 @@ def empty_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device 
     except OSError:
         pass
     return torch.frombuffer(region, dtype=dtype).view(tuple(shape))  # the tensor holds the mapping
+
+
+class _Staging(threading.local):
+    """This thread's pinned buffer for copies to a GPU, and the event that follows the last copy out of it."""
+
+    buffer: torch.Tensor | None = None
+    copied: Any = None
+
+
+_staging = _Staging()
+_STAGE_ALIGN = 16
+
+
+def upload(*arrays: np.ndarray, device: torch.device | str) -> list[torch.Tensor]:
+    """The bytes of each array (C-contiguous) as a uint8 tensor on ``device``, each starting 16-byte aligned.
+
+    To a CUDA device they go together, asynchronously on the current stream, through this thread's pinned
+    staging buffer (reused once that copy is done): a copy from memory that is not pinned would wait for it
+    to be staged by the driver. Elsewhere each is a plain copy (its own, writable memory).
+    """
+    dev = torch.device(device)
+    flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    if dev.type != "cuda":
+        return [torch.from_numpy(a.copy()).to(dev) for a in flat]
+    starts = np.cumsum([0] + [-(-a.size // _STAGE_ALIGN) * _STAGE_ALIGN for a in flat])
+    st = _staging
+    if st.copied is not None:
+        st.copied.synchronize()
+    if st.buffer is None or st.buffer.numel() < starts[-1]:
+        st.buffer = torch.empty(max(int(starts[-1]), 1 << 20), dtype=torch.uint8, pin_memory=True)
+    host = st.buffer.numpy()
+    for a, at in zip(flat, starts):
+        host[at : at + a.size] = a
+    whole = st.buffer[: int(starts[-1])].to(dev, non_blocking=True)
+    st.copied = torch.cuda.Event()
+    st.copied.record(torch.cuda.current_stream(dev))
+    return [whole[at : at + a.size] for a, at in zip(flat, starts)]
+
+
+#: Host copies of device KV still being made (``to_host``), by their keys tensor.
+_copies: weakref.WeakKeyDictionary[torch.Tensor, Any] = weakref.WeakKeyDictionary()
+
+
+def to_host(kv: KVCache) -> KVCache:
+    """``kv`` when it is in host memory; else a copy in pinned host memory, made asynchronously on the
+    current CUDA stream (so the device may reuse ``kv``'s memory for work queued after it): read it after
+    ``host_ready``."""
+    if kv.keys.device.type != "cuda":
+        return kv
+    host = KVCache(*(torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True) for _ in range(2)))
+    host.keys.copy_(kv.keys, non_blocking=True)
+    host.values.copy_(kv.values, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(kv.keys.device))
+    _copies[host.keys] = done
+    return host
+
+
+def host_ready(kv: KVCache) -> KVCache:
+    """``kv``, once the copy ``to_host`` started into it is done (at once for anything else)."""
+    done = _copies.pop(kv.keys, None)
+    if done is not None:
+        done.synchronize()
+    return kv
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -148,8 +215,16 @@ class KVCache:
 
     @classmethod
     def from_dynamic_cache(cls, cache: Any, batch_index: int = 0) -> "KVCache":
-        """Take sequence ``batch_index`` out of a transformers ``DynamicCache`` (or legacy tuple cache)."""
+        """Take sequence ``batch_index`` out of a transformers ``DynamicCache`` (or legacy tuple cache).
+
+        A sliding-window layer that dropped its oldest tokens (transformers' own, past its window) is a
+        ``KVShapeError``, never a shorter KV: pass the model a ``DynamicCache()`` built without its config.
+        """
         if hasattr(cache, "layers"):
+            for i, layer in enumerate(cache.layers):
+                if getattr(layer, "is_sliding", False) and layer.keys is not None and layer.get_seq_length() > layer.keys.shape[-2]:
+                    raise KVShapeError(f"cache layer {i} holds only the last {layer.keys.shape[-2]} of its "
+                                       f"{layer.get_seq_length()} tokens (a sliding window)")  # fmt: skip
             pairs = [(layer.keys, layer.values) for layer in cache.layers]
         else:  # legacy tuple of (key, value) per layer
             pairs = [(k, v) for k, v in cache]

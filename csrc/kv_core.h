@@ -1,8 +1,9 @@
 // Reconstruction of a v2 KV element without a per-head transform (a codec without a profile),
-// shared by the CPU decoder (kv_fused.cpp) and any device decoder: everything marked CG_HD
-// compiles for host and device. The float operations and their order are those of the torch
-// reference (pipeline.synthesise_parts, rotary.rotate), one rounding each, so every decoder
-// built with -ffp-contract=off (nvcc: --fmad=false) writes bit-identical KV:
+// used by the CPU decoder (kv_fused.cpp) and followed op for op by the Triton GPU decoder
+// (cachegen_core/coders/triton_kernels.py). The float operations and their order are those of
+// the torch reference (pipeline.synthesise_parts, rotary.rotate), one rounding each, so every
+// decoder built without fused multiply-adds (-ffp-contract=off; Triton: enable_fp_fusion=False)
+// writes bit-identical KV:
 //
 //     c = (float)(s - 128) * step               dequantised component
 //     x = c + mean                              the chunk mean added back

@@ -1,6 +1,6 @@
-// Interleaved rANS with static 16-bit frequency tables: the one coder core shared by the
-// threaded CPU library (rans_cpu.cpp) and the CUDA decoder (rans_cuda.cu). Plain functions
-// over raw pointers; everything marked CG_HD compiles for host and device.
+// Interleaved rANS with static 16-bit frequency tables: the coder core of the threaded CPU
+// library (rans_cpu.cpp, kv_fused.cpp). Plain functions over raw pointers. The GPU decoder is
+// the Triton port of cg_dec_step and the renormalisation below (cachegen_core/coders/triton_kernels.py).
 //
 // ---------------------------------------------------------------------------------------
 // Substream byte format "native-rans16-v1" (all integers little endian)
@@ -16,8 +16,8 @@
 // Symbols are decoded in rounds of CG_LANES (j = r*CG_LANES + k, k = 0..CG_LANES-1; the
 // last round may be partial); after a round, each lane whose state fell below 2^16, in
 // lane order, reads the next u16 word w: x = (x << 16) | w. At most one word per lane
-// and round, so a warp can decode a substream with one lane per thread (ballot + popc
-// give each lane its word). A complete substream ends with every lane back at 2^16 and
+// and round, so a GPU can decode a substream with one lane per thread (a prefix sum over
+// the lanes that need a word gives each its word). A complete substream ends with every lane back at 2^16 and
 // every byte consumed; the decoder rejects anything else, so truncated, padded or
 // garbled input is detected with high probability (and never read out of bounds).
 // The encoder starts every lane at 2^16, codes symbols from last to first, and writes
@@ -32,11 +32,7 @@
 #pragma once
 #include <stdint.h>
 
-#ifdef __CUDACC__
-#define CG_HD __host__ __device__ __forceinline__
-#else
 #define CG_HD inline
-#endif
 
 #define CG_LANES 16
 #define CG_PREC 16

@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         args.model, store=make_store(args.store), chunk_tokens=args.chunk_tokens, max_tokens=args.max_new_tokens
     )
     print(f"model {args.model} ready in {time.perf_counter() - t0:.1f} s; codec {llm.engine.codec.codec_id}, "
-          f"profile {llm.engine.codec.profile_id or 'none'}, coder {llm.engine.codec.coder.name}", file=sys.stderr)
+          f"profile {llm.engine.codec.profile_id or 'none'}, coder {getattr(llm.engine.codec.coder, 'name', 'none (raw KV only)')}",
+          file=sys.stderr)
     docs = load_documents(llm.engine.tokenizer, args.docs, args.doc_tokens, args.data)
     retriever = KeywordRetriever(documents=docs)
     question = "What did the user and the assistant discuss about " + docs[0].metadata["topic"].lower() + "?"

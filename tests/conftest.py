@@ -1,11 +1,18 @@
 """Shared fixtures: tiny random-init GQA Llama models, their KV caches and tokenizer, real redis-servers.
 
-The helpers behind them live in ``cachegen_core.testing`` (the benchmarks use them too).
+The helpers behind them live in ``cachegen_core.testing`` (the benchmarks use them too). Without a GPU,
+Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set before any kernel is made).
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # the GPU decoder's Triton kernels run in Triton's interpreter, on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from cachegen_core.testing import make_tiny_kv, make_tiny_llama, make_tiny_tokenizer
 from tests.redis_fixture import fresh_redis_server, redis_server  # noqa: F401  (real redis-server fixtures)

@@ -375,7 +375,10 @@ def test_rotary_spec_matches_transformers(tiny_llama):
     pos = torch.arange(300, 350)[None]
     cos, sin = tiny_llama.model.rotary_emb(x, pos)
     mine_cos, mine_sin = spec.cos_sin(300, 50)
-    assert torch.equal(cos[0], mine_cos) and torch.equal(sin[0], mine_sin)
+    # transformers' module against ours (another code path; RotarySpec.from_model accepts 1e-6): |cos| <= 1, so
+    # 1e-6 is 8 float32 ulps of the largest value, while a wrong frequency or position is off by far more
+    assert torch.allclose(cos[0], mine_cos, rtol=0, atol=1e-6) and torch.allclose(sin[0], mine_sin, rtol=0, atol=1e-6)
+    assert not torch.allclose(spec.cos_sin(301, 50)[0], mine_cos, rtol=0, atol=1e-6)  # one position off: caught
 
 
 def test_rotary_spec_refuses_what_it_cannot_invert(tiny_llama, monkeypatch):

@@ -1,5 +1,5 @@
 """The native rANS coder: exact round trips, agreement with the torchac oracle, a frozen byte
-format, hostile input, the coder registry, and (where nvcc / a GPU exist) the CUDA decoder.
+format, hostile input and the coder registry (its GPU decoder: ``test_triton_decoder.py``).
 
 Without the native library these tests are skipped, except under ``CI`` (set and not
 ``0``/``false``/``no``), where they fail with the load error: a broken build must not
@@ -10,26 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 from cachegen_core import coders
-from cachegen_core.codec.kvcodec import KVCodec
-from cachegen_core.coders import default_coder, get_coder, get_decoder
+from cachegen_core.coders import default_coder, get_coder
 from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, ideal_bits_per_stream
 from cachegen_core.coders.native import NativeCoder
-from cachegen_core.coders.native_lib import CSRC, cpu_library, load_error
+from cachegen_core.coders.native_lib import cpu_library, load_error
 from cachegen_core.coders.reference import ReferenceCoder
-from cachegen_core.codec.config import CodecConfig
 from cachegen_core.errors import CoderError
-from cachegen_core.kv import KVCache
-from cachegen_core.codec.profile import Profile
 
 
 
@@ -296,89 +288,3 @@ def test_registry_prefers_native_and_falls_back_to_reference(monkeypatch):
         coders.available_coders.cache_clear()
         coders.get_coder.cache_clear()
     assert default_coder().name == NativeCoder.name
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_cuda_sources_compile(tmp_path: Path):
-    sources = sorted(CSRC.glob("*.cu"))
-    assert sources
-    for cu in sources:
-        subprocess.run(["nvcc", "-c", str(cu), "-o", str(tmp_path / (cu.stem + ".o")), "-I", str(CSRC)], check=True)
-
-
-def _cuda_ready() -> bool:
-    return torch.cuda.is_available() and shutil.which("nvcc") is not None
-
-
-@pytest.mark.skipif(not _cuda_ready(), reason="needs a GPU and nvcc")
-def test_cuda_decode_equals_cpu_decode():
-    rng = np.random.default_rng(7)
-    c = NativeCoder()
-    cuda = get_decoder(NativeCoder.name, "cuda")
-    cases = [(256, [0, 1, 17, 100_000, 5, 6528, 58752], 192, 9), (2, [3000, 3001], 1, 9), (40, [16, 15, 33, 0], 7, 9), (256, [20_000] * 5, 64, 3000)]
-    for alphabet, counts, period, n_tables in cases:
-        freqs = tables(rng, n_tables, alphabet, near_zero=alphabet > 2)
-        layout = layout_of(counts, rng.integers(0, n_tables, (len(counts), period)))
-        sym = sample(rng, freqs, layout)
-        payloads = c.encode(sym, layout, freqs)
-        cpu = c.decode(payloads, layout, freqs)
-        gpu = cuda.decode_symbols(payloads, layout, freqs).cpu().numpy()
-        assert np.array_equal(gpu, cpu) and np.array_equal(cpu, sym)
-        big = max(range(len(counts)), key=lambda i: counts[i])
-        broken = list(payloads)
-        for cut in (2, 1, len(payloads[big]) - 10):
-            broken[big] = payloads[big][:-cut]
-            with pytest.raises(CoderError):
-                cuda.decode_symbols(broken, layout, freqs)
-        broken[big] = payloads[big] + b"\0\0"
-        with pytest.raises(CoderError, match="trailing"):
-            cuda.decode_symbols(broken, layout, freqs)
-        for _ in range(20):  # garbage: the same verdict as the CPU decoder, never a fault
-            junk = list(payloads)
-            junk[big] = rng.integers(0, 256, len(payloads[big])).astype(np.uint8).tobytes()
-            try:
-                cpu_bad = c.decode(junk, layout, freqs)
-            except CoderError:
-                cpu_bad = None
-            try:
-                gpu_bad = cuda.decode_symbols(junk, layout, freqs).cpu().numpy()
-            except CoderError:
-                gpu_bad = None
-            assert (cpu_bad is None) == (gpu_bad is None)
-            assert cpu_bad is None or np.array_equal(cpu_bad, gpu_bad)
-    # the codec on the GPU: substreams decoded and dequantised there, the same KV as on the CPU
-    torch.manual_seed(0)
-    kv = KVCache(torch.randn(2, 2, 300, 16).cumsum(2), torch.randn(2, 2, 300, 16))
-    profile = Profile.fit(CodecConfig(), [kv], chunk_tokens=150)
-    for prof, dtype in ((None, torch.float16), (profile, torch.float32)):
-        blob = KVCodec(CodecConfig(), prof, coder=c).encode(kv.to(dtype), 1)
-        want = KVCodec(CodecConfig(), prof).decode(blob)
-        got = KVCodec(CodecConfig(), prof, device="cuda").decode(blob)
-        assert got.keys.device.type == "cuda" and got.dtype == dtype
-        assert torch.equal(got.keys.cpu(), want.keys) and torch.equal(got.values.cpu(), want.values)
-
-
-@pytest.mark.skipif(not _cuda_ready(), reason="needs a GPU and nvcc")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_fused_cuda_kernel_writes_the_cpu_decoders_kv_bit_exact(dtype, monkeypatch):
-    from cachegen_core.codec import fused
-    from cachegen_core.codec.rotary import RotarySpec
-
-    monkeypatch.setattr(fused, "_VERIFIED", set())
-    monkeypatch.setattr(fused, "_UNFUSED", set())
-    torch.manual_seed(0)
-    spec = RotarySpec(tuple(10000.0 ** (-i / 32) for i in range(32)))  # head_dim 64, as the reference model
-    kv = KVCache(torch.randn(3, 2, 500, 64).cumsum(2), torch.randn(3, 2, 500, 64)).to(dtype)
-    for rotary in (spec, None):
-        for config in (CodecConfig(), CodecConfig(sink_tokens=4, stream_symbols=5000)):
-            cpu, gpu = KVCodec(config, rotary=rotary), KVCodec(config, rotary=rotary, device="cuda")
-            for level in cpu.levels:
-                blob = cpu.encode(kv, level, start=3)
-                for at in (3, 1000) if rotary else (3,):
-                    want = cpu.decode(blob, start=at)
-                    buf = KVCache(torch.zeros(3, 2, 600, 64, dtype=dtype, device="cuda"), torch.zeros(3, 2, 600, 64, dtype=dtype, device="cuda"))
-                    got = gpu.decode(blob, start=at, out=buf.slice(50, 550))
-                    assert torch.equal(got.keys.cpu(), want.keys) and torch.equal(got.values.cpu(), want.values)
-                    assert not buf.keys[:, :, :50].any() and not buf.values[:, :, 550:].any()
-    assert "cuda:0" in fused._VERIFIED or "cuda" in fused._VERIFIED  # the kernel was used, and agreed with torch
-    assert not fused._UNFUSED

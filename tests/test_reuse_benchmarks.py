@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import chat_reuse, rag_reuse
+from benchmarks import chat_reuse, common, rag_reuse
 from cachegen_core.testing import words
 
 RAG_KEYS = {"method", "recompute_ratio", "docs", "context_tokens", "ttft_s", "ppl_rel_delta", "top1_agreement", "cached_tokens"}
@@ -26,7 +26,7 @@ def own_cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _rows(path) -> list[dict]:
-    return [json.loads(line) for line in open(path)]
+    return common.results(path)  # the rows, without the meta row --out starts with
 
 
 def test_rag_reuse_rows(tiny_model_dir, data, tmp_path):

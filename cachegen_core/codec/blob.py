@@ -4,6 +4,7 @@ bounds, and the conversions of its sections (split from ``kvcodec.py``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,6 +110,15 @@ def side_info(h: BlobHeader, c: Container, geo: ChunkGeometry, profile_row: np.n
         assert profile_row is not None  # check_header refuses a profile blob to a codec without its profile
         row = profile_row
     return SideInfo(mean, step, exact, row)
+
+
+def valid_shape(shape: Any, max_tokens: int) -> bool:
+    """Whether a header's ``shape`` is ``[layers, heads, tokens, head_dim]`` of plain ints in bounds."""
+    if not isinstance(shape, list) or len(shape) != 4:
+        return False
+    if any(not isinstance(d, int) or isinstance(d, bool) for d in shape):
+        return False
+    return all(1 <= d <= MAX_DIM for d in shape[:2] + shape[3:]) and 1 <= shape[2] <= max_tokens
 
 
 def dtype_name(dtype: torch.dtype) -> str:

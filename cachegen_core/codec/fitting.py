@@ -113,10 +113,11 @@ def fit_profile(
 
 def _prefill(model: Any, ids: list[int], piece: int, guard: Callable[[], ContextManager[Any]]) -> KVCache:
     """The KV of ``ids`` on the CPU, computed ``piece`` tokens per model call (each inside ``guard``)."""
-    cache = None
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    cache = DynamicCache()  # plain cache layers: every token, sliding-window models too
     device = getattr(model, "device", torch.device("cpu"))
     for s in range(0, len(ids), max(piece, 1)):
         with guard(), torch.no_grad():
-            past = cache_arg(model, cache) if cache is not None else {}
-            cache = output_cache(model(torch.tensor([ids[s : s + piece]], device=device), use_cache=True, **past))
+            cache = output_cache(model(torch.tensor([ids[s : s + piece]], device=device), use_cache=True, **cache_arg(model, cache)))
     return KVCache.from_dynamic_cache(cache).to("cpu")

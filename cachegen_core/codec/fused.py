@@ -113,19 +113,28 @@ def writes_kv(out: KVCache, blob_dtype: torch.dtype, device: torch.device = torc
 
 def fuses_on(decoder: Any, head_dim: int, rotary: bool) -> bool:
     """Whether a device decoder (``coders.get_decoder``; None: none) writes KV itself for heads of ``head_dim``
-    (the CUDA decoder: ``CudaDecoder.fuses``), and has not failed its check on this device (``verify_once``)."""
+    (the Triton decoder: ``TritonDecoder.fuses``), and has not failed its check on its device (``verify_once``)."""
     fuses = getattr(decoder, "fuses", None)
     return fuses is not None and fuses(head_dim, rotary) and str(getattr(decoder, "device", "")) not in _UNFUSED
 
 
-def decode_kv_on(decoder: Any, streams: Sequence[bytes | memoryview], layout: StreamLayout, freqs: np.ndarray, geo: ChunkGeometry,
-                 step: torch.Tensor, mean: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None, out: KVCache) -> None:  # fmt: skip
-    """``decode_kv`` on a device decoder's device (the fused CUDA kernel), ``out`` there."""
+def decode_kv_on(decoder: Any, blob: bytes | memoryview, lengths: list[int], layout: StreamLayout, freqs: np.ndarray,
+                 geo: ChunkGeometry, step: torch.Tensor, mean: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+                 out: KVCache) -> None:  # fmt: skip
+    """``decode_kv`` by a device decoder (``TritonDecoder.decode_kv``), ``out`` and ``cos_sin`` on its device."""
+    data, in_off = _payloads(blob, lengths)
     decoder.decode_kv(
-        streams, layout, freqs, heads=geo.heads, head_dim=geo.dim, min_symbol=OFFSET - RADIUS, step=step, mean=mean,
-        cos_sin=cos_sin, keys=out.keys, values=out.values, out_dtype=OUT_DTYPES[out.keys.dtype],
-        first_token=out.keys.shape[2] - geo.coded_tokens,
+        data, in_off, layout, freqs, heads=geo.heads, head_dim=geo.dim, min_symbol=OFFSET - RADIUS, step=step, mean=mean,
+        cos_sin=cos_sin, keys=out.keys, values=out.values, first_token=out.keys.shape[2] - geo.coded_tokens,
     )  # fmt: skip
+
+
+def decode_components_on(decoder: Any, blob: bytes | memoryview, lengths: list[int], layout: StreamLayout,
+                         freqs: np.ndarray, geo: ChunkGeometry, step: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``decode_components`` by a device decoder (``TritonDecoder.decode_components``), on its device."""
+    data, in_off = _payloads(blob, lengths)
+    return decoder.decode_components(data, in_off, layout, freqs, layers=geo.layers, heads=geo.heads, head_dim=geo.dim,
+                                     coded_tokens=geo.coded_tokens, min_symbol=OFFSET - RADIUS, step=step)  # fmt: skip
 
 
 #: Devices whose fused kernel agreed with the torch path on its first chunk, and those where it did not.

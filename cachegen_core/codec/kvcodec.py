@@ -19,12 +19,12 @@ import torch
 
 from . import fused
 from .bitstats import encode_stats
-from ..coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, default_coder, get_decoder
+from ..coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, fastest_coder, get_decoder, no_coder_reason
 from .config import CodecConfig
 from ..errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
 from ..kv import KVCache, KVShapeError, all_finite
-from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, MAX_DIM, BlobHeader, Checked, Prepared, bf16_section, dtype_name, side_info
+from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, BlobHeader, Checked, Prepared, bf16_section, dtype_name, side_info, valid_shape
 from .fused_encode import quantise_chunk
 from .pipeline import exact_part, exact_tokens, magnitude_bound, synthesise_parts
 from .classes import bank
@@ -38,11 +38,13 @@ class KVCodec:
     """Encode and decode KV chunks; one instance per (model, codec configuration, profile).
 
     ``fingerprint`` (the model fingerprint) is written into every blob and, when set,
-    required of every blob decoded. ``coder`` defaults to the fastest available.
+    required of every blob decoded. ``coder`` defaults to the fastest available; where none can
+    run (no native library, no torchac) it is None and coding a level raises ``BackendUnavailable``.
     ``limits`` and ``max_tokens`` bound what a blob may make the decoder allocate.
     ``device`` (default the CPU) is where decoding runs and the decoded KV is returned:
-    on ``cuda`` the substreams are decoded by the GPU decoder of the blob's coder and
-    dequantised there by torch. A device whose decoder cannot run here raises
+    on ``cuda`` by the GPU decoder of the blob's coder (``coders.get_decoder``: the native
+    format's Triton kernels write the KV itself, or with a profile the components that
+    torch turns into KV there). A device whose decoder cannot run here raises
     ``BackendUnavailable`` (at construction for ``coder``'s format, at decode for a
     blob's); it is never silently replaced by another.
     ``rotary``: the model's rotary embedding (``RotarySpec.from_model(model)``); keys are
@@ -74,7 +76,7 @@ class KVCodec:
             rotary = profile.rotary
         self.profile = profile
         self.rotary = rotary
-        self.coder = coder or default_coder()
+        self.coder: Coder | None = coder or fastest_coder()
         self.fingerprint = fingerprint
         self.limits = limits
         self.max_tokens = max_tokens
@@ -82,9 +84,9 @@ class KVCodec:
         self._transforms: dict[tuple[int, int, int], Transform] = {}
         if self.device.type != "cpu":  # fail now, not at the first blob
             try:
-                get_decoder(self.coder.name, self.device)
+                get_decoder(self._coder().name, self.device)
             except KeyError:
-                raise BackendUnavailable(f"coder {self.coder.name!r} is not registered: no {self.device.type} decoder") from None
+                raise BackendUnavailable(f"coder {self._coder().name!r} is not registered: no {self.device.type} decoder") from None
 
     @property
     def levels(self) -> list[int]:
@@ -123,7 +125,7 @@ class KVCodec:
         positions ``start ..``); tokens below ``config.sink_tokens`` are kept exactly.
         """
         p = self.prepare(kv, level, start=start)
-        return self._pack(p, self.coder.encode(p.symbols, p.layout, p.freqs))
+        return self._pack(p, self._coder().encode(p.symbols, p.layout, p.freqs))
 
     def prepare(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> Prepared:
         """Quantise ``kv`` and lay out its symbols for the coder (everything ``encode`` does but coding)."""
@@ -154,7 +156,7 @@ class KVCodec:
     def encode_with_stats(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> tuple[bytes, dict[str, Any]]:
         """``encode`` plus where the bits went: coded and ideal bits, by kind and layer third."""
         p = self.prepare(kv, level, start=start)
-        payloads = self.coder.encode(p.symbols, p.layout, p.freqs)
+        payloads = self._coder().encode(p.symbols, p.layout, p.freqs)
         blob = self._pack(p, payloads)
         return blob, encode_stats(len(blob), payloads, p.symbols, p.layout, p.freqs, p.geometry, p.sections)
 
@@ -165,7 +167,7 @@ class KVCodec:
             "codec_config": self.config.to_dict(),
             "profile_id": self.profile_id,
             "model_fingerprint": self.fingerprint,
-            "coder": self.coder.name,
+            "coder": self._coder().name,
             "level": p.level,
             "shape": p.shape,
             "dtype": p.dtype,
@@ -174,6 +176,12 @@ class KVCodec:
             "rotary": self.rotary.id if self.rotary is not None else None,
         }
         return pack(header, p.sections, payloads)
+
+    def _coder(self) -> Coder:
+        """The entropy coder levels need; ``BackendUnavailable`` where none runs (raw forms need none)."""
+        if self.coder is None:
+            raise BackendUnavailable(f"no entropy coder can run here to code a level: {no_coder_reason()}")
+        return self.coder
 
     def _check_kv(self, kv: KVCache) -> None:
         if kv.num_tokens < 1:
@@ -258,14 +266,7 @@ class KVCodec:
         if level is not None and blob_level != level:
             raise CacheGenFormatError(f"blob is at level {blob_level}, expected level {level}")
         shape = h.get("shape")
-        if (
-            not isinstance(shape, list)
-            or len(shape) != 4
-            or any(not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= MAX_DIM for d in shape[:2] + shape[3:])
-            or not isinstance(shape[2], int)
-            or isinstance(shape[2], bool)
-            or not 1 <= shape[2] <= self.max_tokens
-        ):
+        if not valid_shape(shape, self.max_tokens):
             raise CacheGenFormatError(f"bad shape {shape!r} (tokens limited to max_tokens={self.max_tokens})")
         if h["dtype"] not in DTYPES:
             raise CacheGenFormatError(f"bad dtype {h['dtype']!r}")
@@ -303,27 +304,31 @@ class KVCodec:
         mean, step, exact, row = self._side_info(h, c, geo)
         layout = stream_layout(geo, row)
         freqs = bank(self.config.table_classes)
-        native = device.type == "cpu" and fused.supports(h.coder)
+        gpu = self._decoder(h.coder, device) if device.type != "cpu" else None  # its device holds the output
+        where = gpu.device if gpu is not None else device
+        native = gpu is None and fused.supports(h.coder)
         if native:
             layout.validate(freqs.shape[0])
-        gpu = self._decoder(h.coder, device) if device.type == "cuda" else None
+        lengths = [len(p) for p in c.streams]
         fusable = not self._fitted and (native or fused.fuses_on(gpu, dim, self.rotary is not None))
         if fusable and out is None:
-            out = KVCache(*(torch.empty(h.shape, dtype=h.dtype, device=device) for _ in range(2)))
-        if fusable and fused.writes_kv(out, h.dtype, device) and not self._may_overflow(h, mean, step, exact, out):  # type: ignore[arg-type]
-            cs = self.rotary.cos_sin(start + tokens - geo.coded_tokens, geo.coded_tokens, device) if self.rotary else None
+            out = KVCache(*(torch.empty(h.shape, dtype=h.dtype, device=where) for _ in range(2)))
+        if fusable and fused.writes_kv(out, h.dtype, where) and not self._may_overflow(h, mean, step, exact, out):  # type: ignore[arg-type]
+            cs = self.rotary.cos_sin(start + tokens - geo.coded_tokens, geo.coded_tokens, where) if self.rotary else None
             if native:
-                fused.decode_kv(blob, [len(p) for p in c.streams], layout, freqs, geo, step, mean, cs, out)
+                fused.decode_kv(blob, lengths, layout, freqs, geo, step, mean, cs, out)
             else:
-                fused.decode_kv_on(gpu, c.streams, layout, freqs, geo, step, mean, cs, out)
+                fused.decode_kv_on(gpu, blob, lengths, layout, freqs, geo, step, mean, cs, out)
             for kind, dst in enumerate((out.keys, out.values)):  # the exact sink tokens
                 dst[:, :, : tokens - geo.coded_tokens].copy_(exact_part(exact, kind, start=start, encoded_start=h.start, rotary=self.rotary))
             if gpu is not None:  # the fused kernel checked against the torch path once per device
-                fused.verify_once(device, out, lambda: self._synthesise(h, self._components_torch(h, geo, step, freqs, layout, c, device),
-                                                                         mean.to(device), step.to(device), exact.to(device), start, None))  # fmt: skip
+                fused.verify_once(where, out, lambda: self._synthesise(h, self._components_torch(h, geo, step, freqs, layout, c, device),
+                                                                        mean.to(where), step.to(where), exact.to(where), start, None))  # fmt: skip
             return out
         if native:
-            comps = fused.decode_components(blob, [len(p) for p in c.streams], layout.offsets, layout.table_ids, freqs, geo, step)
+            comps = fused.decode_components(blob, lengths, layout.offsets, layout.table_ids, freqs, geo, step)
+        elif hasattr(gpu, "decode_components"):  # dequantised by the kernel, the transform's matmul left to torch
+            comps = fused.decode_components_on(gpu, blob, lengths, layout, freqs, geo, step)
         else:
             comps = self._components_torch(h, geo, step, freqs, layout, c, device)
         return self._synthesise(h, comps, mean.to(comps.device), step.to(comps.device), exact.to(comps.device), start, out)

@@ -101,6 +101,12 @@ class KVStats:
         self.contexts.append(kv.num_tokens)
 
 
+def _plain_cache() -> Any:
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    return DynamicCache()
+
+
 def kv_statistics(
     model: Any,
     token_ids: Iterable[list[int]],
@@ -121,8 +127,8 @@ def kv_statistics(
         usable = [c for c in contexts if len(ids) >= c + continuation]
         if not usable:
             continue
-        with torch.no_grad():
-            out = model(torch.tensor([ids[: max(usable)]], device=model.device), use_cache=True)
+        with torch.no_grad():  # plain cache layers: a sliding-window layer of the config's would keep only its window
+            out = model(torch.tensor([ids[: max(usable)]], device=model.device), use_cache=True, **cache_arg(model, _plain_cache()))
         kv = KVCache.from_dynamic_cache(output_cache(out))
         if stats is None:
             stats = KVStats.empty(kv.num_layers, kv.num_kv_heads, kv.head_dim)

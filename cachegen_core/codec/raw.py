@@ -27,7 +27,7 @@ import torch
 
 from ..errors import CacheGenFormatError
 from .format import Limits, pack, unpack
-from ..kv import KVCache, KVShapeError
+from ..kv import KVCache, KVShapeError, upload
 
 CODEC = "cachegen-raw"
 RAW, LOSSLESS = "raw", "lossless"
@@ -112,6 +112,12 @@ class RawCodec:
             raise KVShapeError(f"raw blob of shape {list(shape)} does not fit a buffer of shape {out.shape}")
         n = layers * heads * tokens * dim
         start = len(checked.blob) - 2 * n * checked.dtype.itemsize  # the payloads, contiguous, end the blob
+        if out is not None and out.keys.is_cuda:  # to a GPU in one asynchronous copy, from pinned memory
+            (staged,) = upload(np.frombuffer(checked.blob, dtype=np.uint8)[start:], device=out.keys.device)
+            both = staged.view(checked.dtype).view(2, layers, heads, tokens, dim)
+            out.keys.copy_(both[0])
+            out.values.copy_(both[1])
+            return out
         parts = []
         for kind in range(2):
             with warnings.catch_warnings():  # a bytes blob is read-only: it is only ever read from here

@@ -62,10 +62,11 @@ class ChunkGeometry:
 
 def stream_layout(geo: ChunkGeometry, row: np.ndarray) -> StreamLayout:
     """Substream offsets and the table of every (substream, position in the period): ``row``, the class
-    of each position of the period (int ``(2 * layers * channels,)``), for every substream."""
+    of each position of the period (int ``(2 * layers * channels,)``), seen by every substream (a read-only
+    view; coders that need the rows in memory copy them)."""
     offsets = np.concatenate([[0], np.cumsum(np.array(geo.block_tokens, dtype=np.int64) * geo.period)]).astype(np.int64)
     row = np.asarray(row, dtype=np.int32).reshape(geo.period)
-    return StreamLayout(offsets, np.ascontiguousarray(np.broadcast_to(row, (geo.n_streams, geo.period))))
+    return StreamLayout(offsets, np.broadcast_to(row, (geo.n_streams, geo.period)))  # one row for every substream: a view
 
 
 def flatten_symbols(symbols: torch.Tensor) -> np.ndarray:

@@ -1,8 +1,7 @@
 """The native interleaved-rANS coder on the CPU: threaded C++ (``csrc/rans_cpu.cpp``) behind ``Coder``.
 
-Building and loading the library, its error codes and its table form are shared with
-the CUDA decoder (``native_cuda.py``) through ``native_lib.py``. The byte format is
-documented in ``csrc/rans_core.h``.
+Building and loading the library, its error codes and its table form: ``native_lib.py``.
+The byte format is documented in ``csrc/rans_core.h``; its GPU decoder is ``triton_decoder.py``.
 """
 
 from __future__ import annotations

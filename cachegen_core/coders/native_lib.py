@@ -1,9 +1,9 @@
-"""What the CPU and CUDA sides of the native coder share: building, loading, errors and tables.
+"""The native coder's C++ library: building, loading, errors and tables.
 
 The C++ library is built when the package installs (``setup.py``, as the extension file
 ``cachegen_core._native``); a source checkout used without installing compiles it once
-into the user cache with the system C++ compiler (``compile_into_cache``, which also
-builds the CUDA decoder). ``CACHEGEN_NATIVE_LIB`` names another build to load (an
+into the user cache with the system C++ compiler (``compile_into_cache``). The GPU decoder
+(``triton_decoder.py``) is Triton, compiled at run time: nothing of it is built here. ``CACHEGEN_NATIVE_LIB`` names another build to load (an
 AddressSanitizer build, say). The library is bound with ctypes, which releases the GIL
 during every call. The byte format is documented in ``csrc/rans_core.h``.
 """

@@ -4,8 +4,9 @@ A *coder* is a byte format with its CPU encoder and decoder (``Coder``):
 ``native-rans16-v1`` (``native.py``), the default wherever its library loads, and
 ``torchac`` (``reference.py``), the slow oracle, listed only when the optional torchac
 package is installed. A coder may also have *decoders* for other kinds of device
-(``SymbolDecoder``, table ``DEVICE_DECODERS``): the native format decodes on CUDA
-(``native_cuda.py``). ``get_decoder(name, device)`` picks the decoder a blob needs.
+(``SymbolDecoder``, table ``DEVICE_DECODERS``): the native format decodes on CUDA with
+Triton kernels (``triton_decoder.py``; compiled at first use, nothing built at install).
+``get_decoder(name, device)`` picks the decoder a blob needs, or says why none can run there.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import torch
 from . import native_lib, reference
 from .base import BackendUnavailable, Coder, StreamLayout, SymbolDecoder
 from .native import NativeCoder
-from .native_cuda import CudaDecoder
 from .reference import ReferenceCoder
+from .triton_decoder import triton_decoder
 
 #: Every coder this build knows, fastest first (whether or not it can run here).
 KNOWN_CODERS: tuple[type, ...] = (NativeCoder, ReferenceCoder)
 #: Decoders besides each coder's CPU one, by (coder name, device type): a factory taking the
 #: ``torch.device`` that raises ``BackendUnavailable`` when it cannot run here.
 DEVICE_DECODERS: dict[tuple[str, str], Callable[[torch.device], SymbolDecoder]] = {
-    (NativeCoder.name, "cuda"): CudaDecoder,
+    (NativeCoder.name, "cuda"): triton_decoder,
 }
 
 
@@ -44,15 +45,24 @@ def get_coder(name: str) -> Coder:
     return available_coders()[name]()
 
 
+def no_coder_reason() -> str:
+    """Why no entropy coder can run here: the native library's load error, and torchac missing."""
+    return f"{native_lib.load_error() or 'the native coder is unavailable'}; and torchac is not installed"
+
+
+def fastest_coder() -> Coder | None:
+    """The fastest coder available here, or None where none can run (a build without the native library and
+    no torchac: levels cannot be coded there, raw forms still can)."""
+    coders = available_coders()
+    return get_coder(next(iter(coders))) if coders else None
+
+
 def default_coder() -> Coder:
     """The fastest coder available here: native when its library loads, else torchac when installed."""
-    coders = available_coders()
-    if not coders:
-        raise BackendUnavailable(
-            f"no entropy coder can run here: {native_lib.load_error() or 'the native coder is unavailable'}; "
-            "and torchac is not installed (pip install langchain-cachegen[torchac])"
-        )
-    return get_coder(next(iter(coders)))
+    coder = fastest_coder()
+    if coder is None:
+        raise BackendUnavailable(f"no entropy coder can run here: {no_coder_reason()} (pip install langchain-cachegen[torchac])")
+    return coder
 
 
 def decoder_devices(name: str) -> tuple[str, ...]:
@@ -80,7 +90,7 @@ def get_decoder(name: str, device: str | torch.device | None = None) -> SymbolDe
 
     ``KeyError`` when the coder itself cannot run here (like ``get_coder``);
     ``BackendUnavailable`` when it can but has no decoder for that kind of device, or
-    that decoder cannot run here (no GPU, no nvcc...), saying why.
+    that decoder cannot run here (no GPU, no Triton...), saying why.
     """
     coder = get_coder(name)
     dev = torch.device("cpu" if device is None else device)

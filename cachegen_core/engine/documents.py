@@ -117,6 +117,11 @@ class DocumentCaches:
         with self.engine._lock:
             return hf.prefill(self.engine.model, [*self.preamble, *doc_ids]).slice(len(self.preamble))
 
+    def _refused(self) -> None:
+        if not self._warned:
+            log.warning("documents are prefilled as text: %s", self.unsupported)
+            self._warned = True
+
     # ------------------------------------------------------------ before generation
     def reuse(
         self,
@@ -135,9 +140,7 @@ class DocumentCaches:
         if not any(docs):
             return plain
         if self.rope is None:
-            if not self._warned:
-                log.warning("documents are prefilled as text: %s", self.unsupported)
-                self._warned = True
+            self._refused()
             return plain
         placed = [[_Piece(Chunk(c.index, s + c.start, s + c.end, c.key), s - len(self.preamble))
                    for s, e in d for c in self.pieces(ids[s:e])] for ids, d in zip(prompts, docs)]  # fmt: skip
@@ -227,6 +230,7 @@ class DocumentCaches:
                     info.fetch_s += r.fetch_s
                     info.decode_s += r.decode_s
                     info.levels.append(r.option)
+            reader.note_decode(info, [r.option for r in records if r.chunk in asked])
         return held, text
 
     def _lookup(self, keys: list[str], info: GenerationInfo, floor: Option, options: Sequence[Option]) -> dict[str, Manifest]:
@@ -273,7 +277,11 @@ class DocumentCaches:
                 report(info, f"storing a document failed: {err}")
 
     def store_documents(self, documents: Sequence[str | Sequence[int]]) -> list[str]:
-        """Compute and write (now) the pieces of each document (text or token ids); returns their keys."""
+        """Compute and write (now) the pieces of each document (text or token ids); returns their keys (none for a
+        model :func:`~.blend.blend_support` refuses: its documents are never read back)."""
+        if self.rope is None:
+            self._refused()
+            return []
         keys = []
         tok = self.engine.tokenizer
         for doc in (list(tok(d, add_special_tokens=False)["input_ids"]) if isinstance(d, str) else list(d) for d in documents):

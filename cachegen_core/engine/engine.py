@@ -30,7 +30,7 @@ from ..ops.settings import resolve_store
 from ..stores.base import KVStore
 from ..codec.raw import RawCodec
 from ..keys.segments import SegmentedPrompt, document_spans, tokenize_parts
-from ..streaming import LOSSLESS, RAW, RAW_OPTIONS, Controller, Option, make_estimator, rank
+from ..streaming import RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
 from .blend import BlendConfig
 from .buffers import BufferPool
@@ -38,6 +38,7 @@ from .cost import CostModel
 from .documents import DocumentCaches, Reused
 from .info import GenerationInfo
 from .loading import from_pretrained
+from .options import default_options, storable
 from .reader import ChunkReader, report
 from .writer import ChunkWriter
 
@@ -52,7 +53,8 @@ class KVEngine:
     ``"lossless"`` (the KV exactly: answers identical to no cache). ``store_options``: what a
     miss writes, levels and raw forms (default: the exact 16-bit form — ``"lossless"`` for a
     16-bit model, else ``"raw"`` — plus ``level``, and with ``slo_s`` the coarsest level;
-    ``["lossless"]`` for ``level="lossless"``). Without ``slo_s`` each cached chunk is streamed in the option
+    ``["lossless"]`` for ``level="lossless"``; where no entropy coder runs, their raw forms alone:
+    ``options.py``). Without ``slo_s`` each cached chunk is streamed in the option
     predicted to finish the prompt's chunks first among those at least as fine as ``level``
     (or prefilled as text); with ``slo_s`` (seconds to fetch and decode them) the controller
     picks, chunk by chunk, the finest stored option that meets the deadline at the bandwidth
@@ -99,7 +101,9 @@ class KVEngine:
         self.level = self.codec.config.default_level if level is None else level
         if self.level not in (*RAW_OPTIONS, *self.codec.levels):
             raise ValueError(f"level {self.level!r} is neither a raw form {RAW_OPTIONS} nor in {self.codec.levels}")
-        self.store_options = list(store_options) if store_options is not None else self._default_options(slo_s)
+        dtype = hf.model_dtype(model)
+        options = list(store_options) if store_options is not None else default_options(self.level, self.codec, dtype, slo_s)
+        self.store_options = storable(options, self.codec, dtype)  # the raw forms alone where no entropy coder runs
         if not any(rank(o) <= rank(self.level) for o in self.store_options):
             raise ValueError(f"store_options {self.store_options} hold nothing as fine as level {self.level!r}")
         self.add_special_tokens = add_special_tokens
@@ -107,7 +111,7 @@ class KVEngine:
         self.allow_text = allow_text
         self.estimator_name = estimator
         self.estimator = make_estimator(estimator)
-        self.kv_geometry = hf.kv_geometry(model.config)
+        self.kv_geometry = hf.supported_geometry(model)  # raises UnsupportedModel
         self.buffers = BufferPool(*self.kv_geometry, hf.model_dtype(model), model.device)  # prompts' KV, reused
         self.cost_model = CostModel(2 * self.kv_geometry[0] * self.kv_geometry[1] * self.kv_geometry[2])
         raw = RawCodec(self.fingerprint, limits=self.codec.limits, max_tokens=self.codec.max_tokens)
@@ -124,14 +128,6 @@ class KVEngine:
         self.profile_fitter: Any = None  # fits a profile in the background (``profiles.py``; set by from_pretrained)
 
     from_pretrained = classmethod(from_pretrained)  # load a model (or take one) and build an engine: loading.py
-
-    def _default_options(self, slo_s: float | None) -> list[Option]:
-        """The exact 16-bit form and ``level``; with a deadline also the coarsest level, the one the
-        controller falls back to on a slow link (without one, nothing coarser than ``level`` is used)."""
-        if self.level in RAW_OPTIONS:
-            return [self.level]
-        exact16 = hf.model_dtype(self.model) in (torch.float16, torch.bfloat16)
-        return list(dict.fromkeys([LOSSLESS if exact16 else RAW, self.level, *([self.codec.levels[-1]] if slo_s else [])]))
 
     @property
     def store(self) -> KVStore:
@@ -262,8 +258,8 @@ class KVEngine:
                 self.metrics_recorder.record(info, store=repr(self.store), chunk_tokens=self.chunk_tokens,
                                              prefill_s_per_token=self.cost_model.prefill_s_per_token, fetch_counted=i > 0)
                 out.append((text, info))
-                if not info.chunks_queued and not r.missing:  # nothing queued for the writer holds views of it
-                    self.buffers.give(buffer)
+                if (not info.chunks_queued or buffer.keys.is_cuda) and not r.missing:  # no view of it queued for the writer
+                    self.buffers.give(buffer)  # (from a GPU the writer took copies, made before any later use of it)
         return out
 
     # ------------------------------------------------------------ the warm path

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from ..errors import CacheGenError
 from ..hfcompat import cache_arg, output_cache
 from ..kv import KVCache, KVShapeError
 
@@ -68,12 +69,77 @@ class _InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
 
+class _InPlaceSlidingLayer(_InPlaceLayer):
+    """A sliding-window layer on a buffer: every token kept in place (the engine stores them all), but attention
+    given what transformers' ``DynamicSlidingWindowLayer`` gives it, the last ``sliding_window - 1`` cached tokens
+    and the new ones (views, no copy), with the same mask sizes: a reused cache is read exactly as a fresh one."""
+
+    is_sliding = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int, sliding_window: int) -> None:
+        super().__init__(keys, values, filled)
+        self.sliding_window = sliding_window
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        first = max(0, keys.shape[-2] - key_states.shape[-2] - self.sliding_window + 1)
+        return keys[:, :, first:], values[:, :, first:]
+
+    def get_mask_sizes(self, queries: int | torch.Tensor) -> tuple[int, int]:
+        """(kv_length, kv_offset) for ``queries`` new tokens (transformers before 5 passes their cache positions)."""
+        q = queries.shape[0] if isinstance(queries, torch.Tensor) else queries
+        seen = self.get_seq_length()
+        return min(seen, self.sliding_window - 1) + q, max(seen - self.sliding_window + 1, 0)
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+
+class UnsupportedModel(CacheGenError, ValueError):
+    """The model's KV cache has layers the engine cannot hold in its buffers exactly (linear attention, shared
+    KV...): reusing a context could change its answers, so the engine refuses the model."""
+
+
+def cache_layers(model: Any) -> list[int | None]:
+    """Per layer of ``model``'s KV cache: None for full attention, its window for a sliding (or chunked) one.
+
+    Raises :class:`UnsupportedModel`, naming the layer type, for any other layer transformers would build.
+    """
+    layers, n = DynamicCache(config=model.config).layers, kv_geometry(model.config)[0]
+    if not layers:  # no config layer types: transformers builds full-attention layers as they come
+        return [None] * n
+    if len(layers) != n:
+        raise UnsupportedModel(f"{type(model).__name__}: {n} layers but {len(layers)} KV cache layers (layers sharing their KV)")
+    windows: list[int | None] = []
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer:
+            windows.append(None)
+        elif type(layer) is DynamicSlidingWindowLayer:
+            windows.append(int(layer.sliding_window))
+        else:
+            kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+            kind = f" ({kinds[i]!r})" if i < len(kinds) else ""
+            raise UnsupportedModel(
+                f"{type(model).__name__}: KV cache layer {i} is a {type(layer).__name__}{kind}; context reuse supports "
+                "full-attention and sliding-window attention layers only"
+            )
+    return windows
+
+
+def supported_geometry(model: Any) -> tuple[int, int, int]:
+    """:func:`kv_geometry` of a model whose every KV cache layer the engine holds exactly (:func:`cache_layers`:
+    raises :class:`UnsupportedModel` otherwise)."""
+    cache_layers(model)
+    return kv_geometry(model.config)
+
+
 def model_cache(model: Any, kv: KVCache | None, filled: int | None = None) -> Any:
     """A transformers cache holding the first ``filled`` tokens of ``kv`` (default: all), for ``model``.
 
     When ``kv`` is already in the model's dtype and on its device it is used in place, and
     tokens the model appends are written into its spare capacity (``kv.num_tokens - filled``)
     without copying the cache; otherwise it is converted first (a copy). ``None`` stays None.
+    Sliding-window layers keep every token too (:class:`_InPlaceSlidingLayer`).
     """
     if kv is None:
         return None
@@ -84,19 +150,32 @@ def model_cache(model: Any, kv: KVCache | None, filled: int | None = None) -> An
     n, want = kv_geometry(model.config)[:2]
     if (layers, heads) != (n, want):
         raise KVShapeError(f"model has {n} layers and {want} KV heads, the KV cache {layers} and {heads}")
+    windows = cache_layers(model)
     cache = DynamicCache(config=model.config)
-    if len(cache.layers) != layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return kv.slice(0, filled).to_dynamic_cache(model.config)  # sliding-window or other layer types: the plain way
-    cache.layers = [_InPlaceLayer(kv.keys[i : i + 1], kv.values[i : i + 1], filled) for i in range(layers)]
+    cache.layers = [
+        _InPlaceLayer(kv.keys[i : i + 1], kv.values[i : i + 1], filled) if w is None
+        else _InPlaceSlidingLayer(kv.keys[i : i + 1], kv.values[i : i + 1], filled, w)
+        for i, w in enumerate(windows)
+    ]  # fmt: skip
     return cache
 
 
 @torch.no_grad()
 def prefill(model: Any, ids: Sequence[int], past: KVCache | None = None) -> KVCache:
-    """KV of ``ids`` computed by the model on top of ``past`` (only the new tokens, owning their memory)."""
-    out = model(torch.tensor([list(ids)], device=model.device), **cache_arg(model, model_cache(model, past)), use_cache=True)
-    kv = KVCache.from_dynamic_cache(output_cache(out)).slice(past.num_tokens if past is not None else 0)
-    return KVCache(kv.keys.clone(), kv.values.clone())
+    """KV of ``ids`` computed by the model on top of ``past`` (only the new tokens, owning their memory).
+
+    Computed into a buffer of the engine's own (:func:`prefill_into`), never taken from the cache transformers
+    builds itself, whose sliding-window layers keep only their window.
+    """
+    start = past.num_tokens if past is not None else 0
+    layers, heads, head_dim = kv_geometry(model.config)
+    shape, dtype = (layers, heads, start + len(ids), head_dim), model_dtype(model)
+    buffer = KVCache(torch.empty(shape, dtype=dtype, device=model.device), torch.empty(shape, dtype=dtype, device=model.device))
+    if past is not None:
+        buffer.slice(0, start).keys.copy_(past.keys)
+        buffer.slice(0, start).values.copy_(past.values)
+    prefill_into(model, ids, buffer, start)
+    return buffer if past is None else KVCache(buffer.keys[:, :, start:].clone(), buffer.values[:, :, start:].clone())
 
 
 @torch.no_grad()

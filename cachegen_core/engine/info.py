@@ -19,7 +19,9 @@ class GenerationInfo:
     ``documents``: marked documents after the reused prefix, ``documents_reused`` of them found in the
     store; ``blend_recomputed``: tokens the selective recompute computed (``blend_s`` seconds).
     ``finish_reason``: ``"stop"`` (end of sequence, or the stop string ``stop_sequence``) or
-    ``"length"`` (the token limit).
+    ``"length"`` (the token limit). ``decode_device``: where the compressed chunks streamed were
+    decoded (``"cpu"``, ``"cuda:0"``...: the model's device when the coder has a decoder there that
+    runs, else the CPU, the reason logged once); None when none was.
     """
 
     prompt_tokens: int = 0
@@ -43,6 +45,7 @@ class GenerationInfo:
     blend_s: float = 0.0
     finish_reason: str | None = None
     stop_sequence: str | None = None
+    decode_device: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -35,6 +35,7 @@ from ..streaming import RAW_OPTIONS, TEXT, ChunkCost, ChunkRecord, Controller, E
 from .cost import CostModel
 from .hot import HotTier
 from .info import GenerationInfo
+from .placement import DecodePlacement
 from .writer import StoreHealth
 
 log = logging.getLogger("cachegen_core.engine")
@@ -82,7 +83,7 @@ class ChunkReader:
         self.hot = hot  # the writer's chunks not yet stored (``hot.py``), looked up before the store
         self.raw = raw or RawCodec(codec.fingerprint)
         self.store = store
-        self.decode_device = torch.device("cpu")  # where levels are entropy-decoded (see ``use_device``)
+        self.placement = DecodePlacement(codec.coder.name if codec.coder is not None else None)  # where levels are decoded
         self.geometry = geometry
         self.cost_model = cost_model
         self.health = health
@@ -96,21 +97,18 @@ class ChunkReader:
             self._read_buffers = []
         self._verified = {}
 
-    def use_device(self, device: torch.device) -> str | None:
-        """Decode levels on ``device`` (the model's) when the codec's coder has a decoder there that can
-        run; else on the CPU (then copied to it). Returns why not, or None when it is used."""
-        from ..coders import get_decoder  # noqa: PLC0415
+    @property
+    def decode_device(self) -> torch.device:
+        """Where levels are decoded (``placement.py``)."""
+        return self.placement.device
 
-        if device.type == "cpu":
-            self.decode_device = device
-            return None
-        try:
-            get_decoder(self.codec.coder.name, device)
-        except (BackendUnavailable, KeyError) as e:
-            self.decode_device = torch.device("cpu")
-            return str(e)
-        self.decode_device = device
-        return None
+    def use_device(self, device: torch.device) -> str | None:
+        """Decode levels on ``device`` (the model's) when the coder can there, else on the CPU; returns why not."""
+        return self.placement.use(device)
+
+    def note_decode(self, info: GenerationInfo, options: Sequence[Option]) -> None:
+        """Where a request's streamed levels (among ``options``) were decoded, in its ``info``."""
+        self.placement.note(info, options)
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         """The store's values of ``keys`` (manifests), the hot tier's first."""
@@ -215,7 +213,13 @@ class ChunkReader:
                 raise CacheGenFormatError(f"chunk {key[:12]}: {e}") from None
         else:
             fits = out is not None and isinstance(blob, Checked) and out.shape == blob.header.shape
-            kv = self.codec.decode(blob, level=option, device=self.decode_device, out=out if fits else None)  # type: ignore[arg-type]
+            try:
+                kv = self.codec.decode(blob, level=option, device=self.decode_device, out=out if fits else None)  # type: ignore[arg-type]
+            except BackendUnavailable as e:  # the device's decoder cannot run after all
+                if self.decode_device.type == "cpu":
+                    raise
+                self.placement.fall_back(e)
+                kv = self.codec.decode(blob, level=option, device=self.decode_device, out=out if fits else None)  # type: ignore[arg-type]
         if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != self.geometry:  # checksums say nothing of a forged shape
             raise CacheGenFormatError(f"chunk {key[:12]} decoded to KV of shape {kv.shape}, the model's is "
                                       f"(layers, kv heads, head dim) = {self.geometry}")  # fmt: skip
@@ -309,6 +313,7 @@ class ChunkReader:
             batch_info.bytes_fetched += r.bytes
             batch_info.fetch_s += r.fetch_s
             batch_info.decode_s += r.decode_s
+        self.note_decode(batch_info, [r.option for r in records])
         option = {r.chunk: r.option for r in records}
         covered = []
         for p, (run, info) in enumerate(zip(runs, infos)):
@@ -324,6 +329,7 @@ class ChunkReader:
             if info is not batch_info:  # fetch figures are the batch's: the chunks were streamed once for every prompt
                 info.stream, info.errors = batch_info.stream, info.errors + batch_info.errors
                 info.bytes_fetched, info.fetch_s, info.decode_s = batch_info.bytes_fetched, batch_info.fetch_s, batch_info.decode_s
+                info.decode_device = batch_info.decode_device
             covered.append(mine[-1].end if mine else 0)
         return covered
 

@@ -59,11 +59,17 @@ class Worker:
         self._hot = writer.hot
         self.queue: queue.Queue[tuple[Chunk, KVCache, int, Manifest | None, dict[Option, bytes] | None] | DropRaw | None] = queue.Queue(maxsize=maxsize)
         self._later: deque[tuple[Chunk, KVCache, Manifest | None, int] | DropRaw] = deque()  # later stages to write, in order
-        self.dropped = self.failed = self.written = 0
+        self.dropped = self.failed = self.written = 0  # counted by count(): request threads count too
+        self._counting = threading.Lock()
         self._full = False  # dropping chunks since the queue last had room (logged once)
         self._stopping = False  # at exit: finish the write in hand, start no other
         self._thread = threading.Thread(target=self._run, name="cachegen-store", daemon=True)
         self._thread.start()
+
+    def count(self, what: str) -> None:
+        """Add one chunk ``written``, ``failed`` or ``dropped`` (``+=`` alone loses updates between threads)."""
+        with self._counting:
+            setattr(self, what, getattr(self, what) + 1)
 
     def submit(self, chunk: Chunk, kv: KVCache, stage: int, manifest: Manifest | None, blobs: dict[Option, bytes] | None = None) -> bool:
         """Queue stages ``stage`` on of a chunk (``manifest``: what earlier stages wrote; ``blobs``: the first stage, encoded)."""
@@ -72,7 +78,7 @@ class Worker:
             self._full = False
             return True
         except queue.Full:
-            self.dropped += 1
+            self.count("dropped")
             if not self._full:  # once per overload, not per dropped chunk
                 log.warning("store queue full (%d chunks): chunk %s not stored (further drops counted in "
                             "store_stats, not logged, until it drains)", self.queue.maxsize, chunk.key[:12])  # fmt: skip
@@ -135,13 +141,13 @@ class Worker:
                     self.queue.unfinished_tasks += 1
                 self._later.append((chunk, kv, manifest, 1))
             else:
-                self.written += 1
+                self.count("written")
         except ReferenceError:
             raise
         except StoreError:  # the writer logs a failing store once, not per chunk
-            self.failed += 1
+            self.count("failed")
         except Exception as e:  # a failed write is reported, never raised into a request
-            self.failed += 1
+            self.count("failed")
             log.warning("storing chunk failed: %s", e)
         finally:
             if blobs is not None:
@@ -156,13 +162,13 @@ class Worker:
             chunk, kv, manifest, first = entry
             for stage in range(first, len(self._writer.stages)):
                 manifest = self._writer.write(chunk, kv, stage, before=manifest)
-            self.written += 1
+            self.count("written")
         except ReferenceError:
             self._dropped_writer()
         except StoreError:
-            self.failed += 1
+            self.count("failed")
         except Exception as e:
-            self.failed += 1
+            self.count("failed")
             log.warning("storing chunk failed: %s", e)
         finally:
             self.queue.task_done()

@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager, contextmanager
 from ..keys.chunks import Chunk, blob_key
 from ..codec.kvcodec import KVCodec
 from ..errors import CacheGenFormatError, StoreError
-from ..kv import KVCache
+from ..kv import KVCache, host_ready, to_host
 from ..keys.manifest import RAW_OPTIONS, Manifest, Option, manifest_key
 from ..codec.raw import RawCodec
 from ..stores.base import KVStore
@@ -140,6 +140,7 @@ class ChunkWriter:
         return [st for st in stages if st]
 
     def encode(self, kv: KVCache, option: Option) -> bytes:
+        host_ready(kv)  # a chunk submitted from a GPU: its copy to the host is done
         return self.raw.encode(kv, option) if option in RAW_OPTIONS else self.codec.encode(kv, option)  # type: ignore[arg-type]
 
     def write(self, chunk: Chunk, kv: KVCache, stage: int | None = None, before: Manifest | None = None,
@@ -147,6 +148,7 @@ class ChunkWriter:
         """Store ``kv`` (the chunk's tokens) in every option (or those of one ``stage``, adding to the
         manifest ``before``; ``blobs``: that stage already encoded); raises ``StoreError``/``CacheGenError``."""
         options = self.options if stage is None else self.stages[stage]
+        kv = to_host(kv)  # (from a GPU: ``store_kv``; the worker's chunks are on the host already)
         blobs = blobs if blobs is not None else {o: self.encode(kv, o) for o in options}
         try:
             self.store.put_many([(blob_key(chunk.key, o), b) for o, b in blobs.items()])
@@ -199,7 +201,9 @@ class ChunkWriter:
         """Queue the chunk for the worker (False: the queue is full, dropped), or write it now without one.
         On a local store its first stage is ready before this returns: written (a store that holds the very
         objects, or ``first_stage_now=True``), else encoded into :attr:`hot`, where this engine's reader finds
-        it until the worker has stored it (``hot.py``). Raises what ``write`` raises."""
+        it until the worker has stored it (``hot.py``). Raises what ``write`` raises. KV on a GPU is copied to pinned
+        host memory first, asynchronously (``kv.to_host``): encoded on the CPU, off the device and the request's path."""
+        kv = to_host(kv)
         if self._worker is None:
             self.write(chunk, kv)
             return True
@@ -212,7 +216,7 @@ class ChunkWriter:
             return self._write_behind(chunk, kv, stages[0])
         manifest = self.write(chunk, kv, 0)
         if len(stages) == 1:
-            self._worker.written += 1
+            self._worker.count("written")
             return True
         return self._worker.submit(chunk, kv, 1, manifest)
 

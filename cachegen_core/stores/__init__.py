@@ -7,6 +7,8 @@ cache between serving machines; ``MemoryStore`` is for tests and single processe
 ``admin`` lists and evicts chunks (``cachegen stats`` / ``cachegen gc``).
 ``RedisStore`` needs redis-py (``pip install 'langchain-cachegen[redis]'``), so it is
 imported on first use: the other stores work without it.
+
+May import: ``errors``, ``paths`` and ``codec.format`` (``admin`` reads blob headers).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ the pipelined drivers that run it. Plain functions over plain data: no model, no
 - :mod:`.controller`: the decision rule (:func:`choose`) and its pipeline prediction;
 - :mod:`.driver`: :func:`stream_chunks` / :func:`stream_batch`, which fetch chunk i+1 while chunk i
   decodes, and the records they leave.
+
+May import: nothing of ``cachegen_core`` (plain Python over plain data).
 """
 
 from .controller import (

@@ -37,13 +37,15 @@ def make_tiny_llama(
 
 def make_tiny_kv(model: Any, tokens: int = 157, seed: int = 1) -> Any:
     """A real ``KVCache`` of ``model`` over ``tokens`` random token ids."""
-    from cachegen_core.hfcompat import output_cache  # noqa: PLC0415
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    from cachegen_core.hfcompat import cache_arg, output_cache  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
 
     torch.manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (1, tokens))
-    with torch.no_grad():
-        out = model(ids, use_cache=True)
+    with torch.no_grad():  # plain cache layers: every token, sliding-window models too
+        out = model(ids, use_cache=True, **cache_arg(model, DynamicCache()))
     return KVCache.from_dynamic_cache(output_cache(out))
 
 
