@@ -112,7 +112,7 @@ def test_a_stale_profile_is_reported_once_with_the_refit_command(tmp_path, caplo
     assert len(msgs) == 1 and "fitted for codec" in msgs[0] and "cachegen profile --model my-model" in msgs[0]
     mine = Profile.fit(cfg, [kv], chunk_tokens=32, model_fingerprint="f" * 40)
     mine.save(default_profile_path("f" * 40, cfg))
-    assert find_profile("f" * 40, cfg).id == mine.id
+    assert find_profile("f" * 40, cfg).id == mine.id and find_profile("f" * 40, cfg).origin == "the user cache"
     default_profile_path("f" * 40, cfg).write_bytes(b"damaged")  # skipped, and said once, never a crash
     with caplog.at_level(logging.WARNING, logger="cachegen_core.codec.profiles"):
         assert find_profile("f" * 40, cfg) is None and find_profile("f" * 40, cfg) is None
@@ -129,6 +129,7 @@ def test_the_shipped_profile_is_the_reference_models_for_this_codec():
     assert (prof.meta["num_layers"], prof.meta["kv_heads"], prof.meta["head_dim"]) == (30, 3, 64)
     assert prof.transform is not None and prof.rotary is not None
     assert len(calibration_texts(CALIBRATION)) == 2
+    assert find_profile(prof.model_fingerprint, CodecConfig()).origin == "shipped with the package"
 
 
 def test_published_profiles_first_writer_wins_and_are_signed(tiny_llama):
@@ -141,6 +142,7 @@ def test_published_profiles_first_writer_wins_and_are_signed(tiny_llama):
     assert first.id != second.id
     assert publish(store, first, cfg, tiny_llama).id == first.id
     assert publish(store, second, cfg, tiny_llama).id == first.id  # kept: first writer wins
+    assert read_published(store, "fp", cfg, tiny_llama).origin == "published in the store"
     key = profile_key("fp", cfg.codec_id)
     raw = inner.get(key)
     assert raw.endswith(b"CGT1")  # signed like every value
@@ -163,6 +165,7 @@ def test_an_engine_without_a_profile_fits_one_in_the_background_for_the_next(tin
     assert any("engines started from now on code with it" in r.getMessage() for r in caplog.records)
     nxt = KVEngine.from_pretrained(tiny_llama, tokenizer=tiny_tokenizer, store=store, background=False, chunk_tokens=64)
     assert nxt.profile_fitter is None and nxt.codec.profile_id == fitter.profile.id
+    assert nxt.codec.profile.origin == "published in the store"
     text, info = nxt.generate(words(3, 200), max_new_tokens=2)
     assert text and info.cached_tokens == 0  # another profile: other chunk keys
     eng.close()

@@ -54,6 +54,7 @@ class Profile:
 
     ``classes``: uint8 ``(n_levels, 2, layers, channels)``, each < ``n_classes``. ``transform``
     (None: components are channels) is kept as stored, in 16 bits (``transform.to_half``).
+    ``origin``: where it came from, for people (logs, the demo); not part of its id.
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class Profile:
         self.meta["rotary"] = rotary.to_dict() if rotary is not None else None
         self.meta["format"] = PROFILE_FORMAT
         self.id = _profile_id(self.classes, self.meta, self.half)
+        self.origin = "fitted in this process"
 
     @property
     def codec_id(self) -> str:
@@ -181,7 +183,9 @@ class Profile:
             data = Path(path).read_bytes()
         except OSError as e:
             raise CacheGenFormatError(f"cannot read profile {path}: {e}") from e
-        return cls.from_bytes(data, str(path))
+        profile = cls.from_bytes(data, str(path))
+        profile.origin = str(path)
+        return profile
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str = "profile") -> "Profile":
@@ -253,7 +257,9 @@ def _from_parts(tensors: dict[str, np.ndarray], meta: dict[str, Any], source: st
             raise CacheGenFormatError(f"profile {source}: bad rotary description") from None
         if rotary.head_dim != dim:
             raise CacheGenFormatError(f"profile {source}: rotary embedding does not match head_dim")
-    return Profile(tensors["classes"], meta, half, rotary)
+    profile = Profile(tensors["classes"], meta, half, rotary)
+    profile.origin = source
+    return profile
 
 
 def _profile_id(classes: np.ndarray, meta: dict[str, Any], half: dict[str, np.ndarray] | None) -> str:

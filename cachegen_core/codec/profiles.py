@@ -57,6 +57,7 @@ def find_profile(model_fingerprint: str, config: CodecConfig, *, model: str = "M
             profile = Profile.load(p)
             if profile.model_fingerprint != model_fingerprint or profile.codec_id != config.codec_id:
                 raise CacheGenFormatError("it names another model or codec than its file name")
+            profile.origin = "the user cache" if p == path else "shipped with the package"
             return profile
         except CacheGenFormatError as e:
             _report(p, str(e), model)

@@ -67,6 +67,7 @@ def read_published(store: KVStore, fingerprint: str, config: CodecConfig, model:
     except CacheGenFormatError as e:
         log.warning("the published profile %s is not used: %s", key, e)
         return None
+    profile.origin = "published in the store"
     return profile
 
 
