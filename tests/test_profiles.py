@@ -68,6 +68,17 @@ def test_without_a_profile_the_blob_carries_each_components_class(tiny_kv):
     assert torch.equal(codec.decode(blob).keys, codec.decode(blob).keys)
 
 
+def test_a_codec_with_a_profile_refuses_a_blob_coded_without_one(tiny_kv):
+    """Its components are channels: the profile's transform would rebuild other KV from them (or fail on another
+    shape), so it is a format error, as a blob of another profile is."""
+    prof = Profile.fit(CodecConfig(), [tiny_kv], chunk_tokens=32, model_fingerprint="")
+    plain, profiled = KVCodec(), KVCodec(profile=prof)
+    with pytest.raises(CacheGenFormatError, match="coded without a profile"):
+        profiled.decode(plain.encode(tiny_kv, 1))
+    with pytest.raises(CacheGenFormatError, match="needs profile"):
+        plain.decode(profiled.encode(tiny_kv, 1))
+
+
 def test_a_class_past_the_bank_is_a_format_error(tiny_kv):
     from cachegen_core.codec.format import pack
 

@@ -254,6 +254,8 @@ class KVCodec:
                 raise CacheGenFormatError(f"blob needs profile {h.get('profile_id')!r}, this codec has {self.profile_id!r}")
         elif tables != "inline" or h.get("profile_id") is not None:
             raise CacheGenFormatError(f"bad table source {tables!r}")
+        elif self.profile is not None:  # its components are channels: this codec's transform would misread them
+            raise CacheGenFormatError(f"blob was coded without a profile, this codec has {self.profile_id!r}")
         rotary = self.rotary.id if self.rotary is not None else None
         if h.get("rotary") != rotary:
             raise CacheGenFormatError(f"blob's keys were coded with rotary embedding {h.get('rotary')!r}, this codec has {rotary!r}")
