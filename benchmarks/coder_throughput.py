@@ -14,7 +14,7 @@ does, symbols drawn from discretised Laplace laws with a per-channel scale, code
 codec's real table layout: its fixed tables (``codec.classes``), each component's class picked
 on the chunk as a blob without a profile does; (2) ``<model>-profile`` / ``<model>-inline``: the symbols and tables of a
 real 1536-token chunk of the reference model through ``KVCodec.prepare`` with the
-model's profile and with per-chunk tables (skipped when the model is not provisioned).
+model's profile and without one, classes picked on the chunk (skipped when the model is not provisioned).
 Every coder is timed the same way: tables converted (and validated) before the timing, one
 warm-up call, then the best of the repetitions, on the same symbols: torchac codes only ~2-4
 Msym/s, so with ``--torchac-symbols N`` it runs on the leading substreams holding N symbols
@@ -68,7 +68,7 @@ def synthetic_7b(tokens: int = 1536, seed: int = 0) -> tuple[np.ndarray, StreamL
 def real_chunks(
     model_name: str, level: int, tokens: int, data: str | Path | None = None
 ) -> list[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
-    """The reference model's chunk with its profile's tables and with per-chunk tables ([] if unavailable)."""
+    """The reference model's chunk coded with its profile and without one ([] if unavailable)."""
     try:
         from benchmarks.common import LONGCHAT, context_kv, load, transcript_ids, transcripts  # noqa: PLC0415
         from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415

@@ -266,7 +266,7 @@ def run(args: argparse.Namespace, out: Rows) -> None:
     fp = model_fingerprint(model, tok)
     config = CodecConfig()
     profile = None if args.no_profile else Profile.load(args.profile) if args.profile else find_profile(fp, config)
-    print(f"# profile: {profile.id if profile else 'none (inline tables)'}", file=sys.stderr)
+    print(f"# profile: {profile.id if profile else 'none (classes picked on each chunk)'}", file=sys.stderr)
     codec = KVCodec(config, profile, fingerprint=fp)
     records = read_jsonl(args.data)[args.first : args.last]
     rows = []
