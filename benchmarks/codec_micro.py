@@ -29,7 +29,7 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=4608, help="context tokens per transcript")
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--coder", default=None, help="coder name (default: the fastest available)")
-    ap.add_argument("--no-profile", action="store_true", help="code with per-chunk tables even if a profile exists")
+    ap.add_argument("--no-profile", action="store_true", help="code without a profile (classes picked on each chunk) even if one exists")
     ap.add_argument("--reps", type=int, default=3, help="timed runs per chunk (best kept)")
     return ap
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
     from cachegen_core.codec.config import CodecConfig
     from cachegen_core.keys.fingerprint import model_fingerprint
     from cachegen_core.kv import KVCache
-    from cachegen_core.codec.profile import find_profile
+    from cachegen_core.codec.profiles import find_profile
 
     model, tok = load(args.model)
     fp = model_fingerprint(model, tok)

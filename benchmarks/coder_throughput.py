@@ -10,11 +10,11 @@ tables), and for native lines ``x_torchac`` (speed over torchac in this same run
 
 Data: (1) ``7b-laplace``: a 7B-shaped chunk (32 layers, 8 KV heads x 128 = 1024 channels,
 1536 tokens, keys and values; 100.7 M symbols) cut into substreams exactly as the codec
-does, symbols drawn from discretised Laplace laws with a per-channel scale, tables the
-true laws quantised to 2^16 (one per kind x layer x anchor/delta x channel, as a
-profile has); (2) ``<model>-profile`` / ``<model>-inline``: the symbols and tables of a
+does, symbols drawn from discretised Laplace laws with a per-channel scale, coded with the
+codec's real table layout: its fixed tables (``codec.classes``), each component's class picked
+on the chunk as a blob without a profile does; (2) ``<model>-profile`` / ``<model>-inline``: the symbols and tables of a
 real 1536-token chunk of the reference model through ``KVCodec.prepare`` with the
-model's profile and with per-chunk tables (skipped when the model is not provisioned).
+model's profile and without one, classes picked on the chunk (skipped when the model is not provisioned).
 Every coder is timed the same way: tables converted (and validated) before the timing, one
 warm-up call, then the best of the repetitions, on the same symbols: torchac codes only ~2-4
 Msym/s, so with ``--torchac-symbols N`` it runs on the leading substreams holding N symbols
@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from benchmarks.common import Rows, best_time, parser
-from cachegen_core.coders.base import TOTAL_FREQ, StreamLayout, ideal_bits_per_stream
+from cachegen_core.coders.base import StreamLayout, ideal_bits_per_stream
 from cachegen_core.codec.config import CodecConfig
 
 
@@ -50,43 +50,30 @@ def subset(layout: StreamLayout, max_symbols: int) -> StreamLayout:
     return StreamLayout(layout.offsets[: k + 1].copy(), layout.table_ids[:k].copy())
 
 
-def laplace_freqs(scales: np.ndarray, centre: float, alphabet: int = 256) -> np.ndarray:
-    """Discretised Laplace laws (one per scale) quantised to 2^16 with every entry >= 1."""
-    edges = np.arange(alphabet + 1, dtype=np.float64) - 0.5 - centre
-    z = edges[None, :] / scales[:, None]
-    cdf = np.where(z < 0, 0.5 * np.exp(np.minimum(z, 0)), 1 - 0.5 * np.exp(-np.maximum(z, 0)))
-    p = np.diff(cdf, axis=1)
-    p /= p.sum(axis=1, keepdims=True)
-    f = np.floor(p * (TOTAL_FREQ - alphabet)).astype(np.int64) + 1
-    f[np.arange(len(f)), f.argmax(1)] += TOTAL_FREQ - f.sum(1)
-    return f.astype(np.uint32)
-
-
 def synthetic_7b(tokens: int = 1536, seed: int = 0) -> tuple[np.ndarray, StreamLayout, np.ndarray]:
-    """Symbols, layout and tables of a 7B-shaped chunk laid out like ``KVCodec.prepare`` does
-    (substreams of whole tokens, every kind, layer and component; one table per component)."""
-    from cachegen_core.codec.substreams import ChunkGeometry, stream_layout  # noqa: PLC0415
-    from cachegen_core.codec.profile import TableLayout  # noqa: PLC0415
+    """Symbols, layout and tables of a 7B-shaped chunk laid out like ``KVCodec.prepare`` does (substreams
+    of whole tokens, every kind, layer and component; each component's class picked on the chunk)."""
+    from cachegen_core.codec.classes import bank  # noqa: PLC0415
+    from cachegen_core.codec.substreams import ChunkGeometry, chunk_classes, stream_layout  # noqa: PLC0415
 
     layers, heads, dim, config = 32, 8, 128, CodecConfig()
     rng = np.random.default_rng(seed)
     geo = ChunkGeometry.of(layers, heads, dim, tokens, config.tokens_per_stream(2 * layers * heads * dim))
     scale = 1.2 * np.exp(0.8 * rng.standard_normal(geo.period))  # components of very different spread
-    freqs = laplace_freqs(scale, 128.0)
-    x = np.rint(rng.laplace(128.0, scale, (tokens, geo.period))).clip(1, 255).astype(np.uint8)
-    layout = stream_layout(geo, 0, TableLayout(layers, heads * dim, 1))
-    return x.ravel(), layout, freqs
+    x = np.rint(rng.laplace(128.0, scale, (tokens, geo.period))).clip(1, 255).astype(np.uint8).ravel()
+    layout = stream_layout(geo, chunk_classes(x, geo, config.table_classes).reshape(-1))
+    return x, layout, bank(config.table_classes)
 
 
 def real_chunks(
     model_name: str, level: int, tokens: int, data: str | Path | None = None
 ) -> list[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
-    """The reference model's chunk with its profile's tables and with per-chunk tables ([] if unavailable)."""
+    """The reference model's chunk coded with its profile and without one ([] if unavailable)."""
     try:
         from benchmarks.common import LONGCHAT, context_kv, load, transcript_ids, transcripts  # noqa: PLC0415
         from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
         from cachegen_core.keys.fingerprint import model_fingerprint  # noqa: PLC0415
-        from cachegen_core.codec.profile import find_profile  # noqa: PLC0415
+        from cachegen_core.codec.profiles import find_profile  # noqa: PLC0415
 
         model, tok = load(model_name)
         fp = model_fingerprint(model, tok)

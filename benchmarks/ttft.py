@@ -142,7 +142,7 @@ def measure(
     from cachegen_core.keys.fingerprint import model_fingerprint  # noqa: PLC0415
     from cachegen_core.hfcompat import output_cache  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
-    from cachegen_core.codec.profile import find_profile  # noqa: PLC0415
+    from cachegen_core.codec.profiles import find_profile  # noqa: PLC0415
 
     model, tok = load(model_name)
     fp = model_fingerprint(model, tok)

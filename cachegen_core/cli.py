@@ -3,7 +3,7 @@
     cachegen inspect BLOB
     cachegen model prepare [NAME]      convert the bundled reference model (or a .gguf) once; print its dir
     cachegen model path [NAME]         print its dir without converting (exit 1: not prepared yet)
-    cachegen profile --model MODEL --texts FILE.jsonl [--field prompt] [--stat-texts N] [--out PATH]
+    cachegen profile [--model MODEL] [--texts FILE.jsonl] [--field prompt] [--first I] [--last J] [--max-tokens N] [--out PATH]
     cachegen stats [STORE] [--namespace NS] [--no-headers]
     cachegen gc [STORE] [--older-than 7d] [--max-bytes 5G] [--model FP] [--orphans] [--tier raw] [--dry-run]
 
@@ -67,64 +67,37 @@ def _model_path(args: argparse.Namespace) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    import torch  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
     from tqdm import tqdm  # noqa: PLC0415
 
-    from transformers import DynamicCache  # noqa: PLC0415
-
     from .codec.config import CodecConfig  # noqa: PLC0415
-    from .hfcompat import cache_arg, output_cache  # noqa: PLC0415
-    from .keys.fingerprint import model_fingerprint  # noqa: PLC0415
-    from .kv import KVCache  # noqa: PLC0415
-    from .codec.kvstats import kv_statistics  # noqa: PLC0415
-    from .models import load_model  # noqa: PLC0415
-    from .codec.profile import Profile, default_profile_path  # noqa: PLC0415
+    from .codec.fitting import CALIBRATION, FitPlan, calibration_texts, fit_profile  # noqa: PLC0415
+    from .codec.profiles import default_profile_path  # noqa: PLC0415
     from .codec.rotary import RotarySpec  # noqa: PLC0415
-    from .codec.transform import fit_transform  # noqa: PLC0415
+    from .keys.fingerprint import model_fingerprint  # noqa: PLC0415
+    from .models import load_model  # noqa: PLC0415
 
+    t0 = time.perf_counter()
     model, tok = load_model(args.model)
-    texts = []
-    with open(args.texts) as f:
-        for i, line in enumerate(f):
-            if line.strip() and args.first <= i < args.last:
-                texts.append(json.loads(line)[args.field])
+    texts = calibration_texts(args.texts or CALIBRATION, args.field)[args.first : args.last]
     if not texts:
         print(f"error: no records in {args.texts}[{args.first}:{args.last}] with field {args.field!r}", file=sys.stderr)
         return 2
-    max_tokens = args.max_tokens or min(getattr(model.config, "max_position_embeddings", 8192), 8192)
     fp = model_fingerprint(model, tok)
     config = CodecConfig()
-    rotary = RotarySpec.from_model(model)
-    ids = [tok(text)["input_ids"][:max_tokens] for text in texts]
-    transform = None
-    if config.transform != "none":
-        contexts = tuple(c for c in (args.chunk_tokens, 4096) if c < max_tokens) or (max_tokens // 2,)
-        stats = kv_statistics(
-            model,
-            tqdm(ids[: args.stat_texts], desc="statistics", unit="text", file=sys.stderr),
-            rotary=rotary,
-            contexts=contexts,
-            continuation=min(256, max_tokens - max(contexts)),
-            chunk_tokens=args.chunk_tokens,
-            sink_tokens=config.sink_tokens,
-        )
-        fisher = stats.fisher if config.transform == "fisher-klt" else None
-        transform = fit_transform(stats.covariance, fisher, config.fisher_eps)
-
-    def caches():
-        for x in tqdm(ids, desc="tables", unit="text", file=sys.stderr):
-            with torch.no_grad():  # plain cache layers: every token, sliding-window models too
-                out = model(torch.tensor([x]), use_cache=True, **cache_arg(model, DynamicCache()))
-            yield KVCache.from_dynamic_cache(output_cache(out))
-
-    profile = Profile.fit(
-        config, caches(), transform=transform, rotary=rotary, chunk_tokens=args.chunk_tokens, model_fingerprint=fp
-    )
+    context = args.chunk_tokens if args.chunk_tokens + 256 <= args.max_tokens else args.max_tokens // 2
+    plan = FitPlan(texts=len(texts), tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, contexts=(context,))
+    t1 = time.perf_counter()
+    profile = fit_profile(model, tok, texts, config, plan=plan, fingerprint=fp, rotary=RotarySpec.from_model(model),
+                          progress=lambda xs: tqdm(xs, desc="fitting", unit="text", file=sys.stderr),
+                          source=f"{args.texts or 'the shipped calibration text'} records {args.first}-{args.first + len(texts) - 1}")  # fmt: skip
     out = Path(args.out) if args.out else default_profile_path(fp, config)
     profile.save(out)
-    print(json.dumps({"profile": str(out), "profile_id": profile.id, "tables": int(profile.freqs.shape[0]),
-                      "chunks": profile.meta["n_chunks"], "transform": config.transform if transform is not None else "none",
-                      "rotary": rotary.id if rotary else None, "bytes": out.stat().st_size}))  # fmt: skip
+    print(json.dumps({"profile": str(out), "profile_id": profile.id, "codec_id": profile.codec_id, "texts": len(texts),
+                      "tokens": profile.meta["fitted_on"]["tokens"], "transform": config.transform if profile.transform else "none",
+                      "bytes": out.stat().st_size, "fit_seconds": round(time.perf_counter() - t1, 1),
+                      "total_seconds": round(time.perf_counter() - t0, 1)}))  # fmt: skip
     return 0
 
 
@@ -147,16 +120,14 @@ def _register_model(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 
 def _register_profile(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    p = sub.add_parser("profile", help="fit the codec's frequency tables on real contexts of a model")
+    p = sub.add_parser("profile", help="fit the codec's profile (transform and table classes) on texts of a model")
     p.add_argument("--model", default="smollm2-135m", help="transformers dir, .gguf file or smollm2-135m")
-    p.add_argument("--texts", required=True, help="JSONL file with one text per line")
+    p.add_argument("--texts", default=None, help="JSONL file with one text per line (default: the shipped calibration text)")
     p.add_argument("--field", default="prompt")
     p.add_argument("--first", type=int, default=0, help="first record used")
-    p.add_argument("--last", type=int, default=10, help="one past the last record used")
-    p.add_argument("--max-tokens", type=int, default=None, help="tokens per text (default: the model's context, max 8192)")
+    p.add_argument("--last", type=int, default=2, help="one past the last record used")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per text")
     p.add_argument("--chunk-tokens", type=int, default=1536)
-    p.add_argument("--stat-texts", type=int, default=4,
-                   help="texts (the first ones) whose covariance and Fisher fit the codec's transform")  # fmt: skip
     p.add_argument("--out", default=None, help="default: beside the model in the user cache, found by fingerprint")
     p.set_defaults(func=_profile)
 

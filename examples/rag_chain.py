@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     llm = ChatCacheGen.from_model_id(
         args.model, store=make_store(args.store), chunk_tokens=args.chunk_tokens, max_tokens=args.max_new_tokens
     )
+    profile = llm.engine.codec.profile
     print(f"model {args.model} ready in {time.perf_counter() - t0:.1f} s; codec {llm.engine.codec.codec_id}, "
-          f"profile {llm.engine.codec.profile_id or 'none'}, coder {getattr(llm.engine.codec.coder, 'name', 'none (raw KV only)')}",
+          f"profile {f'{profile.id} ({profile.origin})' if profile else 'none'}, coder {getattr(llm.engine.codec.coder, 'name', 'none (raw KV only)')}",
           file=sys.stderr)
     docs = load_documents(llm.engine.tokenizer, args.docs, args.doc_tokens, args.data)
     retriever = KeywordRetriever(documents=docs)

@@ -447,7 +447,12 @@ def test_fitted_transform_round_trip_and_profile_file(tiny_llama, tmp_path):
             train.append(KVCache.from_dynamic_cache(tiny_llama(torch.tensor([t]), use_cache=True).past_key_values))
     prof = Profile.fit(cfg, train, transform=tf, rotary=spec, chunk_tokens=64, model_fingerprint="tiny")
     loaded = Profile.load(prof.save(tmp_path / "p.safetensors"))
-    assert loaded.id == prof.id and loaded.rotary == spec and torch.equal(loaded.transform.synthesis, tf.synthesis)
+    assert loaded.id == prof.id and loaded.rotary == spec and torch.equal(loaded.transform.synthesis, prof.transform.synthesis)
+    # stored in 16 bits (float16 per matrix scale): within half a float16 ulp of the largest entry, and inverted exactly
+    scale = tf.synthesis.abs().amax(dim=(-2, -1), keepdim=True)
+    assert ((loaded.transform.synthesis - tf.synthesis).abs() <= scale * 2.0**-11).all()
+    assert not torch.equal(loaded.transform.synthesis, tf.synthesis)
+    assert torch.allclose(loaded.transform.analysis.double() @ loaded.transform.synthesis.double(), eye.double().expand_as(tf.analysis), atol=1e-5)
     codec = KVCodec(cfg, loaded)
     assert codec.rotary == spec  # taken from the profile
     kv = train[0].slice(64, 160)

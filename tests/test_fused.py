@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cachegen_core.codec import fused
+from cachegen_core.codec.classes import bank
 from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.coders import native_lib
 from cachegen_core.codec.config import CodecConfig
@@ -21,8 +22,8 @@ def torch_path(codec: KVCodec, blob: bytes) -> KVCache:
     c = unpack(blob, codec.limits, views=True)
     h = codec.check_header(c.header, len(blob))
     geo = codec._geometry(h.shape[0], h.shape[1], h.shape[2], h.shape[3], h.start)
-    mean, step, exact, freqs = codec._side_info(h, c, geo)
-    comps = codec._components_torch(h, geo, step, freqs, stream_layout(geo, h.level, codec._tables), c, torch.device("cpu"))
+    mean, step, exact, row = codec._side_info(h, c, geo)
+    comps = codec._components_torch(h, geo, step, bank(codec.config.table_classes), stream_layout(geo, row), c, torch.device("cpu"))
     return codec._synthesise(h, comps, mean, step, exact, h.start, None)
 
 
@@ -31,8 +32,8 @@ def torch_path_at(codec: KVCodec, blob: bytes, start: int) -> KVCache:
     c = unpack(blob, codec.limits, views=True)
     h = codec.check_header(c.header, len(blob))
     geo = codec._geometry(h.shape[0], h.shape[1], h.shape[2], h.shape[3], h.start)
-    mean, step, exact, freqs = codec._side_info(h, c, geo)
-    comps = codec._components_torch(h, geo, step, freqs, stream_layout(geo, h.level, codec._tables), c, torch.device("cpu"))
+    mean, step, exact, row = codec._side_info(h, c, geo)
+    comps = codec._components_torch(h, geo, step, bank(codec.config.table_classes), stream_layout(geo, row), c, torch.device("cpu"))
     return codec._synthesise(h, comps, mean, step, exact, start, None)
 
 
@@ -83,8 +84,8 @@ def test_the_kv_decoder_refuses_inconsistent_arguments(tiny_kv):
     c = unpack(blob, codec.limits, views=True)
     h = codec.check_header(c.header, len(blob))
     geo = codec._geometry(*h.shape, h.start)
-    mean, step, _, freqs = codec._side_info(h, c, geo)
-    layout = stream_layout(geo, h.level, codec._tables)
+    mean, step, _, row = codec._side_info(h, c, geo)
+    layout, freqs = stream_layout(geo, row), bank(codec.config.table_classes)
     lengths = [len(p) for p in c.streams]
     out = KVCache(torch.empty(h.shape), torch.empty(h.shape))
     short = type(layout)(layout.offsets - geo.period * (layout.offsets > 0), layout.table_ids)  # one token too few

@@ -73,7 +73,7 @@ def test_stop_sequences_are_honoured(llm):
 
 def test_identifying_params(llm):
     p = llm._identifying_params
-    assert p["model_id"] == "tiny" and p["codec_id"].startswith("cachegen-v2-") and p["chunk_tokens"] == CHUNK
+    assert p["model_id"] == "tiny" and p["codec_id"].startswith("cachegen-v3-") and p["chunk_tokens"] == CHUNK
     assert llm._llm_type == "cachegen"
 
 

@@ -2,7 +2,7 @@
 
 from cachegen_core.models import models_dir
 from cachegen_core.paths import cache_dir
-from cachegen_core.codec.profile import profile_dir
+from cachegen_core.codec.profiles import profile_dir
 from cachegen_core.stores.disk import DiskCacheStore, default_directory
 
 

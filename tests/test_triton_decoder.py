@@ -256,7 +256,7 @@ def test_hostile_blobs_are_typed_errors_as_on_the_cpu(on_gpu, in_bounds, tiny_kv
     p.streams[3] = p.streams[4]  # another token's substream: decodes, to the wrong token
     forged.append(repack(p))
     p = split(blob)
-    p.sections["tables"] = np.roll(p.sections["tables"], 1, axis=0)  # every table id now reads another table
+    p.sections["classes"] = np.roll(p.sections["classes"], 1, axis=0)  # every component now reads another class
     forged.append(repack(p))
     rejected = 0
     for bad in forged:

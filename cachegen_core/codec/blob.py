@@ -13,8 +13,8 @@ from ..coders import StreamLayout
 from .format import Container
 from .pipeline import Coded
 from ..errors import CacheGenFormatError
-from .quantize import ALPHABET, from_bf16_bits, to_bf16_bits
-from .substreams import ChunkGeometry, n_inline_tables
+from .quantize import from_bf16_bits, to_bf16_bits
+from .substreams import ChunkGeometry
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 MAX_DIM = 1 << 14
@@ -73,25 +73,26 @@ class Checked:
 @dataclass(frozen=True)
 class SideInfo:
     """A blob's checked parameters: chunk ``mean`` and ``step`` float32 ``(2, layers, heads, dim)``,
-    ``exact`` tokens float32 ``(2, layers, heads, n, dim)`` and the frequency tables ``freqs``."""
+    ``exact`` tokens float32 ``(2, layers, heads, n, dim)`` and ``row``, the table (class) of every
+    position of the coder's period."""
 
     mean: torch.Tensor
     step: torch.Tensor
     exact: torch.Tensor
-    freqs: np.ndarray
+    row: np.ndarray
 
 
-def side_info(h: BlobHeader, c: Container, geo: ChunkGeometry, profile_freqs: np.ndarray | None) -> SideInfo:
+def side_info(h: BlobHeader, c: Container, geo: ChunkGeometry, profile_row: np.ndarray | None, n_classes: int) -> SideInfo:
     """The sections of a blob whose header passed ``KVCodec.check_header``, checked: shapes, dtypes,
-    finite parameters, positive steps (``CacheGenFormatError`` otherwise). ``profile_freqs``: the
-    codec profile's tables, for a blob coded with them."""
+    finite parameters, positive steps, classes below ``n_classes`` (``CacheGenFormatError`` otherwise).
+    ``profile_row``: the profile's classes at the blob's level, for a blob coded with them."""
     layers, heads, tokens, dim = h.shape
     n_exact = tokens - geo.coded_tokens
     expected = {"mean": ((2, layers, heads, dim), np.uint16), "step": ((2, layers, heads, dim), np.uint16)}
     if n_exact:
         expected["exact"] = ((2, layers, heads, n_exact, dim), np.float32)
     if h.tables == "inline":
-        expected["tables"] = ((n_inline_tables(layers), ALPHABET), np.uint16)
+        expected["classes"] = ((2, layers, heads * dim), np.uint8)
     got = {k: (v.shape, v.dtype) for k, v in c.sections.items()}
     if set(got) != set(expected) or any(got[k][0] != shape or got[k][1] != dt for k, (shape, dt) in expected.items()):
         raise CacheGenFormatError(f"sections {got} do not match the expected {expected}")
@@ -101,9 +102,14 @@ def side_info(h: BlobHeader, c: Container, geo: ChunkGeometry, profile_freqs: np
         raise CacheGenFormatError("non-finite quantisation parameters or exact tokens")
     if not (step > 0).all():
         raise CacheGenFormatError("quantisation steps must be positive")
-    freqs = c.sections["tables"].astype(np.uint32) if h.tables == "inline" else profile_freqs
-    assert freqs is not None  # check_header refuses a profile blob to a codec without its profile
-    return SideInfo(mean, step, exact, freqs)
+    if h.tables == "inline":
+        row = c.sections["classes"].reshape(-1).astype(np.int32)
+        if row.size and int(row.max()) >= n_classes:
+            raise CacheGenFormatError(f"table classes must be < {n_classes}")
+    else:
+        assert profile_row is not None  # check_header refuses a profile blob to a codec without its profile
+        row = profile_row
+    return SideInfo(mean, step, exact, row)
 
 
 def valid_shape(shape: Any, max_tokens: int) -> bool:

@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .classes import DEFAULT_CLASSES, digest
+
 #: Step of each level, from near-lossless (0) to the coarsest. With a profile the step is in
 #: units of the RMS of the Fisher-weighted components (``transform.py``), the same for every
 #: component of every layer; without one, in units of the RMS of each layer's channels.
@@ -28,6 +30,8 @@ class CodecConfig:
     ``transform`` and ``fisher_eps``: how a profile fits the per-head transform
     (``transform.py``): ``"fisher-klt"`` (decorrelating, weighted by the model's Fisher,
     regularised by ``fisher_eps``), ``"pca"`` (decorrelating, unweighted) or ``"none"``.
+    ``table_classes``: how many frequency tables code every component (``classes.py``: discrete
+    Gaussian laws at log-spaced scales; a profile or the blob names each component's).
     ``unprofiled_scale``: without a profile the step of a level above 0 is this many times its
     step (in units of each layer's RMS), measured so that the default level costs ~4.4 bits per
     element without a profile (3.5 with one) at about the same quality (``docs/results.md``).
@@ -41,6 +45,7 @@ class CodecConfig:
     transform: str = "fisher-klt"
     fisher_eps: float = 1.0
     unprofiled_scale: float = 2.67
+    table_classes: int = DEFAULT_CLASSES
 
     def __post_init__(self) -> None:
         if not self.levels or any(not isinstance(s, (int, float)) or not 0 < s < float("inf") for s in self.levels):
@@ -62,6 +67,8 @@ class CodecConfig:
             raise ValueError(f"transform must be one of {TRANSFORMS}")
         if not self.fisher_eps > 0:
             raise ValueError("fisher_eps must be > 0")
+        if not 2 <= self.table_classes <= 256:
+            raise ValueError("table_classes must be in [2, 256]")
 
     @property
     def n_levels(self) -> int:
@@ -86,6 +93,7 @@ class CodecConfig:
 
     @property
     def codec_id(self) -> str:
-        """Stable id of this configuration; blobs of another configuration are rejected."""
-        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return "cachegen-v2-" + hashlib.blake2b(canon.encode(), digest_size=8).hexdigest()
+        """Stable id of this configuration and of the tables it codes with (``classes.digest``);
+        blobs of another configuration are rejected."""
+        canon = json.dumps({**self.to_dict(), "tables": digest(self.table_classes)}, sort_keys=True, separators=(",", ":"))
+        return "cachegen-v3-" + hashlib.blake2b(canon.encode(), digest_size=8).hexdigest()

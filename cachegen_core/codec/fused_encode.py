@@ -1,7 +1,7 @@
 """Quantisation of a chunk for the coder, natively where it can be (``csrc/kv_encode.cpp``).
 
 ``quantise_chunk`` does what ``pipeline.components``, ``pipeline.quantise`` and
-``substreams.flatten_symbols`` do, plus the count of every symbol per inline table. On the CPU,
+``substreams.flatten_symbols`` do (and, asked, the count of every symbol per (kind, layer)). On the CPU,
 without a fitted transform, that is one threaded C++ pass over the chunk (which may be a token
 slice of a larger buffer), a task per (kind, layer) that reads its layer once and, from the
 cache, finds the bfloat16 means, min, max and RMS of the coded tokens (keys un-rotated), the
@@ -63,7 +63,7 @@ def quantise_chunk(
 ) -> tuple[Coded, np.ndarray, np.ndarray | None]:
     """``kv`` quantised at ``level_step`` (``pipeline.quantise``'s arguments): the ``Coded`` chunk, its
     symbols flat in substream order (``flatten_symbols``) and, when ``count`` and done natively, the
-    count of every symbol per inline table (int64 ``(2 * layers, 256)``; else None).
+    count of every symbol per (kind, layer) (int64 ``(2 * layers, 256)``; else None).
 
     ``KVShapeError`` when ``kv`` holds a NaN or an infinity. ``native``: None picks the native
     path where ``supports`` says so; False forces torch's, True the native one (for CPU tensors).

@@ -2,8 +2,9 @@
 
 A blob holds one chunk of a context's KV at one level: exact sink tokens and quantised
 transform components (``pipeline.py``), range-coded in independent substreams
-(``coders/``) with the tables of a ``Profile`` (or, without one, tables measured on the
-chunk and stored in the blob), inside the checksummed container of ``format.py``. How
+(``coders/``) with the codec's fixed tables (``classes.py``), each component's class taken
+from a ``Profile`` (or, without one, picked on the chunk and stored in the blob), inside the
+checksummed container of ``format.py``. How
 symbols are cut into substreams and which table codes each: ``substreams.py``.
 Keys are coded before the rotary embedding when the codec knows it (``rotary.py``), so a
 blob decodes at its own positions or, on request, at any others.
@@ -26,10 +27,11 @@ from ..kv import KVCache, KVShapeError, all_finite
 from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, BlobHeader, Checked, Prepared, bf16_section, dtype_name, side_info, valid_shape
 from .fused_encode import quantise_chunk
 from .pipeline import exact_part, exact_tokens, magnitude_bound, synthesise_parts
-from .profile import Profile, TableLayout
+from .classes import bank
+from .profile import Profile
 from .quantize import OFFSET, RADIUS, dequantize
 from .rotary import RotarySpec
-from .substreams import ChunkGeometry, inline_tables, stream_layout, unflatten_symbols
+from .substreams import ChunkGeometry, chunk_classes, stream_layout, unflatten_symbols
 from .transform import Transform, identity_transform
 
 class KVCodec:
@@ -65,7 +67,8 @@ class KVCodec:
         self.config = config or CodecConfig()
         if profile is not None and profile.codec_id != self.config.codec_id:
             raise ValueError(
-                f"profile was fitted for codec {profile.codec_id}, not {self.config.codec_id}; refit it with this config"
+                f"profile was fitted for codec {profile.codec_id}, not {self.config.codec_id}: refit it with this configuration "
+                "(`cachegen profile --model MODEL`)"
             )
         if profile is not None:
             if rotary is not None and (profile.rotary is None or profile.rotary.id != rotary.id):
@@ -97,10 +100,6 @@ class KVCodec:
     @property
     def profile_id(self) -> str | None:
         return self.profile.id if self.profile is not None else None
-
-    @property
-    def _tables(self) -> TableLayout | None:
-        return self.profile.layout if self.profile is not None else None
 
     @property
     def _fitted(self) -> bool:
@@ -137,21 +136,21 @@ class KVCodec:
             raise ValueError(f"start must be an integer in [0, {MAX_START}]")
         self._check_kv(kv)
         layers, heads, tokens, dim = kv.shape
-        coded, symbols, counts = quantise_chunk(
+        coded, symbols, _ = quantise_chunk(
             kv, self._transform(layers, heads, dim), self.config.level_step(level, fitted=self._fitted), fitted=self._fitted,
             step_cap=self.config.step_cap, start=start, sink_tokens=self.config.sink_tokens, rotary=self.rotary,
-            count=self.profile is None,
         )  # fmt: skip
         geo = self._geometry(layers, heads, tokens, dim, start)
-        layout = stream_layout(geo, level, self._tables)
         sections = {"mean": bf16_section(coded.mean), "step": bf16_section(coded.step)}
         if coded.exact.shape[3]:
             sections["exact"] = coded.exact.contiguous().numpy().astype(np.float32)
         if self.profile is None:
-            freqs = inline_tables(symbols, geo, counts)
-            sections["tables"] = freqs.astype(np.uint16)
+            sections["classes"] = chunk_classes(symbols, geo, self.config.table_classes)
+            row = sections["classes"].reshape(-1)
         else:
-            freqs = self.profile.freqs
+            row = self.profile.row(level)
+        layout = stream_layout(geo, row)
+        freqs = bank(self.config.table_classes)
         return Prepared(level, start, list(kv.shape), dtype_name(kv.dtype), geo, coded, symbols, layout, freqs, sections)
 
     def encode_with_stats(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> tuple[bytes, dict[str, Any]]:
@@ -255,6 +254,8 @@ class KVCodec:
                 raise CacheGenFormatError(f"blob needs profile {h.get('profile_id')!r}, this codec has {self.profile_id!r}")
         elif tables != "inline" or h.get("profile_id") is not None:
             raise CacheGenFormatError(f"bad table source {tables!r}")
+        elif self.profile is not None:  # its components are channels: this codec's transform would misread them
+            raise CacheGenFormatError(f"blob was coded without a profile, this codec has {self.profile_id!r}")
         rotary = self.rotary.id if self.rotary is not None else None
         if h.get("rotary") != rotary:
             raise CacheGenFormatError(f"blob's keys were coded with rotary embedding {h.get('rotary')!r}, this codec has {rotary!r}")
@@ -302,8 +303,9 @@ class KVCodec:
         geo = self._geometry(layers, heads, tokens, dim, h.start)
         if len(c.streams) != geo.n_streams:
             raise CacheGenFormatError(f"blob has {len(c.streams)} substreams, shape {list(h.shape)} needs {geo.n_streams}")
-        mean, step, exact, freqs = self._side_info(h, c, geo)
-        layout = stream_layout(geo, h.level, self._tables)
+        mean, step, exact, row = self._side_info(h, c, geo)
+        layout = stream_layout(geo, row)
+        freqs = bank(self.config.table_classes)
         gpu = self._decoder(h.coder, device) if device.type != "cpu" else None  # its device holds the output
         where = gpu.device if gpu is not None else device
         native = gpu is None and fused.supports(h.coder)
@@ -390,6 +392,7 @@ class KVCodec:
             raise CacheGenFormatError(f"blob was written by coder {coder!r}, not available here") from None
 
     def _side_info(self, h: BlobHeader, c: Container, geo: ChunkGeometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, np.ndarray]:
-        """The checked mean, step, exact tokens and tables of a blob (``blob.side_info``)."""
-        info = side_info(h, c, geo, self.profile.freqs if self.profile is not None else None)
-        return info.mean, info.step, info.exact, info.freqs
+        """The checked mean, step, exact tokens and the class of every position of the period (``blob.side_info``)."""
+        row = self.profile.row(h.level) if self.profile is not None else None
+        info = side_info(h, c, geo, row, self.config.table_classes)
+        return info.mean, info.step, info.exact, info.row

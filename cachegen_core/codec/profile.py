@@ -1,58 +1,43 @@
-"""Profile: what a codec knows about one model, fitted offline on real contexts of it.
+"""Profile: what a codec knows about one model, fitted on real contexts of it.
 
-- one frequency table per (level, kind, layer, component), from the symbols of the
-  fitting contexts;
+- the class of every (level, kind, layer, component): which of the codec's fixed tables
+  (``classes.py``) codes it, picked from the symbols of the fitting contexts;
 - the per-head transform between channels and components (``transform.py``), fitted from
-  the KV's covariance and the model's Fisher (``kvstats.py``), when the configuration has one;
+  the KV's covariance and the model's Fisher (``kvstats.py``), stored in 16 bits;
 - the model's rotary embedding (``rotary.py``) when keys are coded before it.
 
-Shared by every cache of that model. Saved as safetensors (tables, matrices) + JSON
-metadata: no object serialisation. Its id is a hash of its content, so a blob coded with
-one profile can never be decoded with another.
+Shared by every cache of that model: about 1.5 MB for the reference model (30 layers of
+3 KV heads x 64), whatever the number of tables. Saved as safetensors + JSON metadata
+(``to_bytes``, ``from_bytes``): no object serialisation, so a profile can be read from a
+file or a shared store alike. Its id is a hash of its content, so a blob coded with one
+profile can never be decoded with another.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
-from ..coders.base import TOTAL_FREQ, validate_freqs
+from .classes import bank, classes_from_counts
 from .config import CodecConfig
-from ..errors import CacheGenFormatError, CoderError
+from ..errors import CacheGenFormatError
 from ..kv import KVCache
-from ..paths import cache_dir
 from .pipeline import components, quantise
 from .quantize import ALPHABET
 from .rotary import RotarySpec
-from .transform import Transform, identity_transform
+from .transform import Transform, from_half, identity_transform, to_half
 
-PROFILE_FORMAT = "cachegen-profile-v2"
-MAX_PROFILE_TABLES = 1 << 24
-IntOrArray = Union[int, np.ndarray]
-
-
-def counts_to_freqs(counts: np.ndarray, alpha: float = 0.05) -> np.ndarray:
-    """Histograms ``(..., A)`` -> uint32 tables summing to ``2**16`` with every entry >= 1.
-
-    ``alpha`` is added to every count (additive smoothing) so symbols unseen while
-    profiling stay cheap enough; the floor of 1 keeps everything encodable.
-    """
-    counts = np.asarray(counts, dtype=np.float64)
-    a = counts.shape[-1]
-    total = counts.sum(axis=-1, keepdims=True) + alpha * a
-    # A table that saw nothing (e.g. the deltas of a one-token chunk) is uniform.
-    p = np.where(total > 0, (counts + alpha) / np.where(total > 0, total, 1.0), 1.0 / a)
-    f = np.floor(p * (TOTAL_FREQ - a)).astype(np.int64) + 1
-    deficit = TOTAL_FREQ - f.sum(axis=-1)
-    top = f.argmax(axis=-1)[..., None]
-    np.put_along_axis(f, top, np.take_along_axis(f, top, -1) + deficit[..., None], -1)
-    return f.astype(np.uint32)
+PROFILE_FORMAT = "cachegen-profile-v3"
+#: Formats of earlier builds: named when met, so that the user is told to refit.
+OLD_FORMATS = ("cachegen-profile-v2",)
+#: Largest profile accepted (sum of its tensors' bytes); the reference model's is ~1.5 MB, a 7B's ~17 MB.
+MAX_PROFILE_BYTES = 1 << 30
+_HALF = ("synthesis", "scale", "spread")
 
 
 def symbol_histogram(symbols: torch.Tensor) -> torch.Tensor:
@@ -64,47 +49,40 @@ def symbol_histogram(symbols: torch.Tensor) -> torch.Tensor:
     return torch.bincount(idx, minlength=n * ALPHABET).reshape(n, ALPHABET)
 
 
-@dataclass(frozen=True)
-class TableLayout:
-    """Where each table lives in a profile's flat ``(n_tables, 256)`` array: level-major, then
-    kind, layer and component (``head * dim + j``)."""
-
-    num_layers: int
-    channels: int
-    n_levels: int
-
-    @property
-    def per_level(self) -> int:
-        return 2 * self.num_layers * self.channels
-
-    @property
-    def n_tables(self) -> int:
-        return self.n_levels * self.per_level
-
-    def level_base(self, level: int) -> int:
-        """Id of the table of (level, keys, layer 0, component 0); the others of the level follow."""
-        return level * self.per_level
-
-
 class Profile:
-    """Frequency tables, transform and rotary embedding of one model under one codec configuration."""
+    """Classes, transform and rotary embedding of one model under one codec configuration.
+
+    ``classes``: uint8 ``(n_levels, 2, layers, channels)``, each < ``n_classes``. ``transform``
+    (None: components are channels) is kept as stored, in 16 bits (``transform.to_half``).
+    ``origin``: where it came from, for people (logs, the demo); not part of its id.
+    """
 
     def __init__(
-        self, freqs: np.ndarray, meta: dict[str, Any], transform: Transform | None = None, rotary: RotarySpec | None = None
+        self, classes: np.ndarray, meta: dict[str, Any], half: dict[str, np.ndarray] | None = None, rotary: RotarySpec | None = None
     ) -> None:
         self.meta = dict(meta)
-        self.layout = TableLayout(int(meta["num_layers"]), int(meta["channels"]), int(meta["n_levels"]))
-        if freqs.shape != (self.layout.n_tables, ALPHABET):
-            raise CacheGenFormatError(f"profile tables have shape {freqs.shape}, expected {(self.layout.n_tables, ALPHABET)}")
-        if transform is not None:
-            layers, heads, dim = transform.shape
-            if (layers, heads * dim) != (self.layout.num_layers, self.layout.channels):
-                raise CacheGenFormatError(f"profile transform of shape {transform.shape} does not match its tables")
-        self.freqs = np.ascontiguousarray(freqs, dtype=np.uint32)
-        self.transform = transform
+        shape = (int(meta["n_levels"]), 2, int(meta["num_layers"]), int(meta["channels"]))
+        classes = np.asarray(classes)
+        if classes.shape != shape or classes.dtype != np.uint8:
+            raise CacheGenFormatError(f"profile classes are {classes.dtype} {classes.shape}, expected uint8 {shape}")
+        if classes.size and int(classes.max()) >= self.n_classes:
+            raise CacheGenFormatError(f"profile classes must be < {self.n_classes}")
+        self.classes = np.ascontiguousarray(classes)
+        self.classes.flags.writeable = False
+        self.half = half
+        self.transform: Transform | None = None
+        if half is not None:
+            try:
+                self.transform = from_half(half["synthesis"], half["scale"], half["spread"])
+            except ValueError as e:
+                raise CacheGenFormatError(f"profile transform: {e}") from None
+            if self.transform.shape != (shape[2], meta["kv_heads"], meta["head_dim"]):
+                raise CacheGenFormatError(f"profile transform of shape {self.transform.shape} does not match its classes")
         self.rotary = rotary
         self.meta["rotary"] = rotary.to_dict() if rotary is not None else None
-        self.id = _profile_id(self.freqs, self.meta, transform)
+        self.meta["format"] = PROFILE_FORMAT
+        self.id = _profile_id(self.classes, self.meta, self.half)
+        self.origin = "fitted in this process"
 
     @property
     def codec_id(self) -> str:
@@ -113,6 +91,19 @@ class Profile:
     @property
     def model_fingerprint(self) -> str:
         return str(self.meta.get("model_fingerprint", ""))
+
+    @property
+    def n_classes(self) -> int:
+        return int(self.meta["n_classes"])
+
+    @property
+    def freqs(self) -> np.ndarray:
+        """The tables the classes index (``classes.bank``), uint32 ``(n_classes, 256)``."""
+        return bank(self.n_classes)
+
+    def row(self, level: int) -> np.ndarray:
+        """The table of every position of the coder's period at ``level``: int32 ``(2 * layers * channels,)``."""
+        return self.classes[level].reshape(-1).astype(np.int32)
 
     @classmethod
     def fit(
@@ -124,25 +115,28 @@ class Profile:
         rotary: RotarySpec | None = None,
         chunk_tokens: int = 1536,
         model_fingerprint: str = "",
-        alpha: float = 0.05,
+        about: dict[str, Any] | None = None,
     ) -> "Profile":
-        """Histogram the symbols of ``caches`` (contexts from position 0) cut in chunks of
-        ``chunk_tokens``, at every level, coded with ``transform`` (identity when None) and
-        keys before ``rotary`` (as they are when None)."""
+        """Classes from the symbols of ``caches`` (contexts from position 0) cut in chunks of
+        ``chunk_tokens``, at every level, coded with ``transform`` as stored (identity when None)
+        and keys before ``rotary`` (as they are when None). ``about``: what it was fitted on, kept
+        in the metadata for people."""
         counts: torch.Tensor | None = None
         shape = None
         n_chunks = 0
+        half = to_half(transform) if transform is not None else None
+        stored = from_half(**half) if half is not None else None
         for kv in caches:
             if shape is None:
                 shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
                 counts = torch.zeros(config.n_levels, 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim, ALPHABET, dtype=torch.int64)
-                tf = transform if transform is not None else identity_transform(*shape)
-                if tf.shape != shape:
-                    raise ValueError(f"transform of shape {tf.shape} does not fit KV of shape {kv.shape}")
+                if stored is not None and stored.shape != shape:
+                    raise ValueError(f"transform of shape {stored.shape} does not fit KV of shape {kv.shape}")
+                stored = stored if stored is not None else identity_transform(*shape)
             elif (kv.num_layers, kv.num_kv_heads, kv.head_dim) != shape:
                 raise ValueError(f"all caches must come from one model; got {kv.shape} after {shape}")
             for start in range(0, kv.num_tokens, chunk_tokens):
-                comp = components(kv.slice(start, start + chunk_tokens), tf, start=start, sink_tokens=config.sink_tokens, rotary=rotary)
+                comp = components(kv.slice(start, start + chunk_tokens), stored, start=start, sink_tokens=config.sink_tokens, rotary=rotary)
                 n_chunks += 1
                 for level in range(config.n_levels):
                     coded = quantise(comp, config.level_step(level, fitted=transform is not None), fitted=transform is not None, step_cap=config.step_cap)
@@ -150,7 +144,6 @@ class Profile:
         if shape is None or counts is None:
             raise ValueError("Profile.fit needs at least one KV cache")
         meta = {
-            "format": PROFILE_FORMAT,
             "codec_id": config.codec_id,
             "codec_config": config.to_dict(),
             "model_fingerprint": model_fingerprint,
@@ -159,145 +152,120 @@ class Profile:
             "head_dim": shape[2],
             "channels": shape[1] * shape[2],
             "n_levels": config.n_levels,
+            "n_classes": config.table_classes,
             "chunk_tokens": chunk_tokens,
             "n_chunks": n_chunks,
-            "alpha": alpha,
+            "fitted_on": about or {},
         }
-        return cls(counts_to_freqs(counts.reshape(-1, ALPHABET).numpy(), alpha), meta, transform, rotary)
+        classes = classes_from_counts(counts.numpy(), config.table_classes).reshape(config.n_levels, 2, shape[0], -1)
+        return cls(classes, meta, half, rotary)
+
+    def to_bytes(self) -> bytes:
+        """The profile as safetensors bytes (uint8 classes, the 16-bit transform) with JSON metadata."""
+        from safetensors.numpy import save  # noqa: PLC0415
+
+        tensors = {"classes": self.classes, **(self.half or {})}
+        return save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata={"cachegen_profile": json.dumps(self.meta)})
 
     def save(self, path: str | Path) -> Path:
-        """Write the profile as safetensors (uint16 tables, float32 transform) with JSON metadata; atomic."""
-        from safetensors.numpy import save_file  # noqa: PLC0415
-
+        """Write ``to_bytes`` to ``path`` atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tensors = {"freqs": self.freqs.astype(np.uint16)}
-        if self.transform is not None:
-            for name in _TRANSFORM_TENSORS:
-                tensors[name] = np.ascontiguousarray(getattr(self.transform, name).numpy())
-        save_file(tensors, str(tmp), metadata={"cachegen_profile": json.dumps(self.meta)})
+        tmp = path.with_name(f"{path.name}.{id(self)}.tmp")
+        tmp.write_bytes(self.to_bytes())
         tmp.replace(path)
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         """Read a profile written by ``save``; anything else raises ``CacheGenFormatError``."""
-        from safetensors import safe_open  # noqa: PLC0415
-
         try:
-            with safe_open(str(path), framework="numpy") as f:
-                raw_meta = (f.metadata() or {}).get("cachegen_profile")
-                names = set(f.keys())
-                if raw_meta is None or names not in ({"freqs"}, {"freqs", *_TRANSFORM_TENSORS}):
-                    raise CacheGenFormatError(f"{path} is not a cachegen profile")
-                meta_probe = raw_meta
-                try:
-                    probe = json.loads(meta_probe)
-                except (ValueError, RecursionError):
-                    probe = None
-                if isinstance(probe, dict) and probe.get("format") != PROFILE_FORMAT:
-                    raise CacheGenFormatError(
-                        f"{path} is a {probe.get('format')!r} file, this build reads {PROFILE_FORMAT}: refit it with `cachegen profile`"
-                    )
-                _check_size(f, path)
-                tensors = {name: f.get_tensor(name) for name in names}
-        except CacheGenFormatError:
-            raise
-        except Exception as e:  # safetensors raises several types on bad files
+            data = Path(path).read_bytes()
+        except OSError as e:
             raise CacheGenFormatError(f"cannot read profile {path}: {e}") from e
+        profile = cls.from_bytes(data, str(path))
+        profile.origin = str(path)
+        return profile
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str = "profile") -> "Profile":
+        """Parse ``to_bytes``'s output (``source`` names it in errors); anything else raises ``CacheGenFormatError``."""
+        from safetensors.numpy import load  # noqa: PLC0415
+
+        meta = _read_meta(data, source)
         try:
-            meta = json.loads(raw_meta)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, ints over 4300 digits, deep nesting
-            raise CacheGenFormatError(f"profile {path} has unreadable metadata: {str(e)[:200]}") from None
-        if not isinstance(meta, dict) or meta.get("format") != PROFILE_FORMAT:
-            raise CacheGenFormatError(f"{path} is not a {PROFILE_FORMAT} file")
-        if not isinstance(meta.get("codec_id"), str):
-            raise CacheGenFormatError(f"profile {path}: bad codec_id")
-        for key in ("num_layers", "channels", "n_levels", "kv_heads", "head_dim"):
-            if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or meta[key] < 1:
-                raise CacheGenFormatError(f"profile {path}: bad {key}")
-        if meta["kv_heads"] * meta["head_dim"] != meta["channels"]:
-            raise CacheGenFormatError(f"profile {path}: kv_heads x head_dim != channels")
-        if TableLayout(meta["num_layers"], meta["channels"], meta["n_levels"]).n_tables > MAX_PROFILE_TABLES:
-            raise CacheGenFormatError(f"profile {path} claims too many tables")
-        freqs = tensors["freqs"]
-        if freqs.dtype != np.uint16 or freqs.ndim != 2:
-            raise CacheGenFormatError(f"profile {path}: tables must be 2-D uint16")
-        f32 = freqs.astype(np.uint32)
-        try:
-            validate_freqs(f32)
-        except CoderError:
-            raise CacheGenFormatError(f"profile {path}: tables are not normalised to {TOTAL_FREQ}") from None
-        transform = _load_transform(tensors, meta, path) if len(tensors) > 1 else None
-        rotary = None
-        if meta.get("rotary") is not None:
-            try:
-                rotary = RotarySpec.from_dict(meta["rotary"])
-            except ValueError:
-                raise CacheGenFormatError(f"profile {path}: bad rotary description") from None
-            if rotary.head_dim != meta["head_dim"]:
-                raise CacheGenFormatError(f"profile {path}: rotary embedding does not match head_dim")
-        return cls(f32, meta, transform, rotary)
+            tensors = load(bytes(data))
+        except Exception as e:  # safetensors raises several types on bad bytes
+            raise CacheGenFormatError(f"cannot read profile {source}: {e}") from e
+        return _from_parts(tensors, meta, source)
 
 
-_TRANSFORM_TENSORS = ("analysis", "synthesis", "spread")
-#: Largest profile file accepted (tables + transform); the reference model's is ~12 MB.
-MAX_PROFILE_TENSOR_BYTES = 1 << 31
-
-
-def _check_size(f: Any, path: str | Path) -> None:
-    """Refuse tensors whose declared size is absurd before reading them."""
-    total = 0
-    for name in f.keys():
-        shape = f.get_slice(name).get_shape()
-        n = 1
-        for d in shape:
-            n *= int(d)
-        total += 4 * n
-    if total > MAX_PROFILE_TENSOR_BYTES:
-        raise CacheGenFormatError(f"profile {path} is too large ({total} bytes of tensors)")
-
-
-def _load_transform(tensors: dict[str, np.ndarray], meta: dict[str, Any], path: str | Path) -> Transform:
+def _read_meta(data: bytes, source: str) -> dict[str, Any]:
+    """The checked metadata of safetensors ``data`` (read from its header alone, before any tensor)."""
+    if len(data) < 8:
+        raise CacheGenFormatError(f"{source} is not a cachegen profile (too short)")
+    n = int.from_bytes(data[:8], "little")
+    if n > min(len(data) - 8, 1 << 24):
+        raise CacheGenFormatError(f"{source} is not a cachegen profile (bad header length)")
+    try:
+        header = json.loads(bytes(data[8 : 8 + n]))
+        raw = header.get("__metadata__", {}).get("cachegen_profile") if isinstance(header, dict) else None
+        meta = json.loads(raw) if isinstance(raw, str) else None
+    except (ValueError, RecursionError, AttributeError):  # JSONDecodeError, ints over 4300 digits, deep nesting
+        raise CacheGenFormatError(f"{source} is not a cachegen profile (unreadable header)") from None
+    if not isinstance(meta, dict):
+        raise CacheGenFormatError(f"{source} is not a cachegen profile")
+    if meta.get("format") in OLD_FORMATS:
+        raise CacheGenFormatError(f"{source} is a {meta['format']!r} file, this build reads {PROFILE_FORMAT}: refit it with `cachegen profile`")
+    if meta.get("format") != PROFILE_FORMAT:
+        raise CacheGenFormatError(f"{source} is not a {PROFILE_FORMAT} file")
+    if not isinstance(meta.get("codec_id"), str) or not isinstance(meta.get("model_fingerprint", ""), str):
+        raise CacheGenFormatError(f"profile {source}: bad codec_id or model_fingerprint")
+    for key in ("num_layers", "channels", "n_levels", "kv_heads", "head_dim", "n_classes"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or not 1 <= meta[key] <= 1 << 16:
+            raise CacheGenFormatError(f"profile {source}: bad {key}")
+    if meta["kv_heads"] * meta["head_dim"] != meta["channels"] or not 2 <= meta["n_classes"] <= 256:
+        raise CacheGenFormatError(f"profile {source}: kv_heads x head_dim != channels, or bad n_classes")
     layers, heads, dim = meta["num_layers"], meta["kv_heads"], meta["head_dim"]
-    want = {"analysis": (2, layers, heads, dim, dim), "synthesis": (2, layers, heads, dim, dim), "spread": (2, layers, heads, dim)}
-    for name, shape in want.items():
-        t = tensors[name]
-        if t.dtype != np.float32 or t.shape != shape or not np.isfinite(t).all():
-            raise CacheGenFormatError(f"profile {path}: transform {name!r} must be finite float32 {shape}")
-    a, b = (torch.from_numpy(tensors[n].copy()) for n in ("analysis", "synthesis"))
-    if (torch.matmul(b.double(), a.double()) - torch.eye(dim, dtype=torch.float64)).abs().max() > 1e-3:
-        raise CacheGenFormatError(f"profile {path}: transform synthesis is not the inverse of its analysis")
-    return Transform(a, b, torch.from_numpy(tensors["spread"].copy()))
+    size = meta["n_levels"] * 2 * layers * meta["channels"] + 2 * layers * heads * (2 * dim * dim + 4 + 2 * dim)
+    if size > MAX_PROFILE_BYTES:
+        raise CacheGenFormatError(f"profile {source} claims too large a model")
+    return meta
 
 
-def _profile_id(freqs: np.ndarray, meta: dict[str, Any], transform: Transform | None) -> str:
+def _from_parts(tensors: dict[str, np.ndarray], meta: dict[str, Any], source: str) -> Profile:
+    """A profile from its parsed tensors and checked metadata."""
+    layers, heads, dim = meta["num_layers"], meta["kv_heads"], meta["head_dim"]
+    if set(tensors) not in ({"classes"}, {"classes", *_HALF}):
+        raise CacheGenFormatError(f"profile {source} holds tensors {sorted(tensors)}")
+    half = None
+    if len(tensors) > 1:
+        want = {"synthesis": ((2, layers, heads, dim, dim), np.float16), "scale": ((2, layers, heads), np.float32),
+                "spread": ((2, layers, heads, dim), np.float16)}  # fmt: skip
+        for name, (shape, dtype) in want.items():
+            t = tensors[name]
+            if t.dtype != dtype or t.shape != shape or not np.isfinite(t).all():
+                raise CacheGenFormatError(f"profile {source}: transform {name!r} must be finite {np.dtype(dtype).name} {shape}")
+        if not (tensors["scale"] > 0).all():
+            raise CacheGenFormatError(f"profile {source}: transform scales must be positive")
+        half = {name: tensors[name] for name in _HALF}
+    rotary = None
+    if meta.get("rotary") is not None:
+        try:
+            rotary = RotarySpec.from_dict(meta["rotary"])
+        except ValueError:
+            raise CacheGenFormatError(f"profile {source}: bad rotary description") from None
+        if rotary.head_dim != dim:
+            raise CacheGenFormatError(f"profile {source}: rotary embedding does not match head_dim")
+    profile = Profile(tensors["classes"], meta, half, rotary)
+    profile.origin = source
+    return profile
+
+
+def _profile_id(classes: np.ndarray, meta: dict[str, Any], half: dict[str, np.ndarray] | None) -> str:
     h = hashlib.blake2b(digest_size=8)
     h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
-    h.update(np.ascontiguousarray(freqs, dtype=np.uint32).tobytes())
-    if transform is not None:
-        for name in _TRANSFORM_TENSORS:
-            h.update(getattr(transform, name).contiguous().numpy().tobytes())
+    h.update(classes.tobytes())
+    for name in _HALF if half is not None else ():
+        h.update(np.ascontiguousarray(half[name]).tobytes())  # type: ignore[index]
     return "p-" + h.hexdigest()
-
-
-def profile_dir() -> Path:
-    """Where profiles live: ``profiles`` in the package's cache directory, beside the converted models."""
-    return cache_dir("profiles")
-
-
-def default_profile_path(model_fingerprint: str, config: CodecConfig) -> Path:
-    """The profile path of a model under a codec configuration (found again by fingerprint)."""
-    return profile_dir() / f"{model_fingerprint[:32]}-{config.codec_id}.safetensors"
-
-
-def find_profile(model_fingerprint: str, config: CodecConfig) -> Profile | None:
-    """The stored profile of this model and codec, or None (chunks then carry their own tables)."""
-    path = default_profile_path(model_fingerprint, config)
-    if not path.exists():
-        return None
-    profile = Profile.load(path)
-    if profile.model_fingerprint != model_fingerprint or profile.codec_id != config.codec_id:
-        raise CacheGenFormatError(f"profile {path} belongs to another model or codec")
-    return profile

@@ -9,8 +9,9 @@ component) number ``j mod (2 x layers x channels)``: the coder's period. Every s
 is long enough for the rANS flush to stay a small fraction of it, whatever the rate of
 each layer (``docs/format.md``).
 
-Tables: with a profile, one per (level, kind, layer, component) (``TableLayout``);
-inline, one per (kind, layer), measured on the chunk itself.
+Tables: every symbol is coded with one of the codec's fixed tables (``classes.py``), the class
+of its (kind, layer, component): with a profile, the profile's class at the blob's level;
+without one, the class the encoder picked on the chunk (``chunk_classes``), stored in the blob.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from ..coders import StreamLayout
-from .profile import TableLayout, counts_to_freqs
+from .classes import classes_from_counts
 from .quantize import ALPHABET
 
 
@@ -59,19 +60,12 @@ class ChunkGeometry:
         return self.coded_tokens * self.period
 
 
-def n_inline_tables(layers: int) -> int:
-    """Tables a blob carries without a profile: one per (kind, layer)."""
-    return 2 * layers
-
-
-def stream_layout(geo: ChunkGeometry, level: int, tables: TableLayout | None) -> StreamLayout:
-    """Substream offsets and the table of every (substream, position in the period): one row, seen by every
-    substream (a read-only view; coders that need the rows in memory copy them)."""
+def stream_layout(geo: ChunkGeometry, row: np.ndarray) -> StreamLayout:
+    """Substream offsets and the table of every (substream, position in the period): ``row``, the class
+    of each position of the period (int ``(2 * layers * channels,)``), seen by every substream (a read-only
+    view; coders that need the rows in memory copy them)."""
     offsets = np.concatenate([[0], np.cumsum(np.array(geo.block_tokens, dtype=np.int64) * geo.period)]).astype(np.int64)
-    if tables is None:
-        row = np.repeat(np.arange(2 * geo.layers, dtype=np.int32), geo.channels)
-    else:
-        row = (tables.level_base(level) + np.arange(geo.period)).astype(np.int32)
+    row = np.asarray(row, dtype=np.int32).reshape(geo.period)
     return StreamLayout(offsets, np.broadcast_to(row, (geo.n_streams, geo.period)))  # one row for every substream: a view
 
 
@@ -85,11 +79,18 @@ def unflatten_symbols(flat: torch.Tensor, geo: ChunkGeometry) -> torch.Tensor:
     return flat.reshape(geo.coded_tokens, 2, geo.layers, geo.heads, geo.dim).permute(1, 2, 3, 0, 4)
 
 
-def inline_tables(flat: np.ndarray, geo: ChunkGeometry, counts: np.ndarray | None = None) -> np.ndarray:
-    """The inline tables of a chunk (one per (kind, layer)), measured on its own symbols; ``counts``:
-    the symbols' counts per table ``(2 * layers, 256)`` when already known (the native encoder's)."""
-    if counts is None:
-        n = n_inline_tables(geo.layers)
-        rows = flat.reshape(geo.coded_tokens, n, geo.channels)  # one table per row of the period
-        counts = np.stack([np.bincount(rows[:, t].ravel(), minlength=ALPHABET) for t in range(n)])
-    return counts_to_freqs(counts, alpha=0.0)
+#: Tokens whose symbols pick a chunk's classes (evenly spaced through it): enough to rank 64 laws.
+CLASS_SAMPLE_TOKENS = 256
+
+
+def chunk_classes(flat: np.ndarray, geo: ChunkGeometry, n_classes: int) -> np.ndarray:
+    """The class of each (kind, layer, component) picked on a chunk's own symbols (``flat``, in substream
+    order), as a codec without a profile stores them: uint8 ``(2, layers, channels)``. Each is the class
+    coding the component's symbols in the fewest bits, counted on at most ``CLASS_SAMPLE_TOKENS`` tokens."""
+    if not geo.coded_tokens:
+        return np.zeros((2, geo.layers, geo.channels), dtype=np.uint8)
+    stride = -(-geo.coded_tokens // CLASS_SAMPLE_TOKENS)
+    x = torch.from_numpy(flat).view(geo.coded_tokens, geo.period)[::stride].to(torch.int32)
+    x += torch.arange(0, geo.period * ALPHABET, ALPHABET, dtype=torch.int32)
+    counts = torch.bincount(x.view(-1), minlength=geo.period * ALPHABET).view(geo.period, ALPHABET)
+    return classes_from_counts(counts.numpy(), n_classes).reshape(2, geo.layers, geo.channels)

@@ -15,13 +15,15 @@ spread is below the step get no bits at all). ``g`` is the RMS of all components
 step is in units of the weighted signal's RMS. Without a Fisher (``fisher=None``) the
 same construction with ``F = I`` is a plain per-head PCA.
 
-Decoding applies ``B``: 64 multiply-adds per element for 64-dim heads.
+Decoding applies ``B``: 64 multiply-adds per element for 64-dim heads. A profile stores ``B``
+in 16 bits (``to_half``): float16 scaled per matrix, ``A`` its exact inverse (``from_half``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -86,3 +88,33 @@ def identity_transform(layers: int, heads: int, dim: int) -> Transform:
     """Components = channels (the codec without a profile)."""
     eye = torch.eye(dim).expand(2, layers, heads, dim, dim).contiguous()
     return Transform(eye, eye, torch.ones(2, layers, heads, dim), identity=True)
+
+
+def to_half(t: Transform) -> dict[str, np.ndarray]:
+    """The 16-bit stored form of ``t``: ``synthesis`` float16 ``(2, layers, heads, dim, dim)``, each
+    matrix divided by ``scale`` float32 ``(2, layers, heads)`` (its largest magnitude, so nothing
+    overflows), and ``spread`` float16."""
+    b = t.synthesis.double()
+    scale = b.abs().amax(dim=(-2, -1)).clamp_min(1e-30).float()
+    half = (b / scale.double()[..., None, None]).to(torch.float16)
+    return {"synthesis": half.numpy(), "scale": scale.numpy(), "spread": t.spread.to(torch.float16).numpy()}
+
+
+def from_half(synthesis: np.ndarray, scale: np.ndarray, spread: np.ndarray) -> Transform:
+    """The transform of a 16-bit stored form (``to_half``): ``B = synthesis * scale`` in float32, ``A``
+    its inverse (computed in float64). ``ValueError`` when a matrix is singular or too ill-conditioned
+    for ``A B = I`` to hold within 1e-4 in float32."""
+    b = torch.from_numpy(np.asarray(synthesis, dtype=np.float16).astype(np.float32)) * torch.from_numpy(
+        np.asarray(scale, dtype=np.float32))[..., None, None]
+    dim = b.shape[-1]
+    eye = torch.eye(dim, dtype=torch.float64)
+    try:
+        a64 = torch.linalg.solve(b.double(), eye.expand_as(b).clone()) if torch.isfinite(b).all() else None
+    except RuntimeError:  # torch.linalg.LinAlgError: exactly singular
+        a64 = None
+    if a64 is None or not torch.isfinite(a64).all():
+        raise ValueError("transform synthesis is not invertible")
+    a = a64.float()
+    if (torch.matmul(a.double(), b.double()) - eye).abs().max() > 1e-4:
+        raise ValueError("transform synthesis is too ill-conditioned to invert in float32")
+    return Transform(a.contiguous(), b.contiguous(), torch.from_numpy(np.asarray(spread, dtype=np.float16).astype(np.float32)))

@@ -127,6 +127,7 @@ class KVEngine:
         self.partial_step = partial_step
         self.blend = blend_config(blend)
         self.documents = DocumentCaches(self, self.blend) if self.blend is not None else None
+        self.profile_fitter: Any = None  # fits a profile in the background (``profiles.py``; set by from_pretrained)
 
     from_pretrained = classmethod(from_pretrained)  # load a model (or take one) and build an engine: loading.py
 
@@ -353,6 +354,8 @@ class KVEngine:
         prompt's KV buffer is 355 MB at 7.7K tokens of the reference model in float32). The store stays open
         (it may be shared). Returns False if chunks were still queued at the timeout (not stored). The
         engine still answers after it, storing new chunks before it returns."""
+        if self.profile_fitter is not None:
+            self.profile_fitter.stop(timeout)
         done = self.writer.close(timeout)
         self.buffers.clear()
         self.reader.clear()

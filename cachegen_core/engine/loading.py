@@ -13,12 +13,14 @@ from typing import Any, TypeVar
 import torch
 
 from ..codec.config import CodecConfig
-from ..codec.profile import Profile, find_profile
+from ..codec.profile import Profile
 from ..keys.fingerprint import model_fingerprint
 from ..models import load_model
-from ..ops.settings import engine_options
+from ..ops.settings import engine_options, resolve_store
+from ..ops.settings import load as load_settings
 from ..stores.base import KVStore
 from .attention import use_gqa_attention
+from .profiles import resolve_profile, start_fitting
 
 E = TypeVar("E")
 
@@ -35,14 +37,18 @@ def from_pretrained(
     device: str | int | torch.device | None = None,
     device_map: str | dict[str, Any] | None = None,
     model_kwargs: dict[str, Any] | None = None,
+    auto_profile: bool | None = None,
     **kwargs: Any,
 ) -> E:
     """Load a model (local dir, ``.gguf`` file, a model id of the local Hugging Face cache, or the
     bundled reference model's short name) and build an engine.
 
     ``dtype``, ``device``, ``device_map`` and ``model_kwargs`` go to ``models.load_model`` (the
-    CPU by default). ``profile="auto"`` uses the profile stored beside the model in the user
-    cache when there is one for this codec configuration, else chunks carry their own tables.
+    CPU by default). ``profile="auto"`` uses the model's profile for this codec configuration from
+    the user cache, the package or the store (``profiles.resolve_profile``); without one chunks carry
+    their own table classes, and (``auto_profile``) one is fitted in the background and published into
+    the store for the engines started after it (``profiles.ProfileFitter``; None: ``CACHEGEN_AUTO_PROFILE``,
+    default on). ``profile=None``: none.
     ``CACHEGEN_*`` settings (``docs/configuration.md``) fill the arguments not given (or None);
     ``decode_limits=DecodeLimits(...)`` tightens what a stored blob may make the decoder allocate.
     """
@@ -58,9 +64,15 @@ def from_pretrained(
     fp = model_fingerprint(model, tokenizer)
     kwargs, limits = engine_options(kwargs)  # CACHEGEN_* settings fill what is not given
     config = config or CodecConfig()
-    if profile == "auto":
-        profile = find_profile(fp, config)
+    store = resolve_store(store)
+    auto = profile == "auto"
+    name = str(path_or_model) if isinstance(path_or_model, (str, Path)) else getattr(model, "name_or_path", "") or "MODEL"
+    if auto:
+        profile = resolve_profile(model, fp, config, store, name=name)
     elif isinstance(profile, (str, Path)):
         profile = Profile.load(profile)
-    return cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
+    engine = cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
+    if auto and profile is None and (load_settings().auto_profile if auto_profile is None else auto_profile):
+        engine.profile_fitter = start_fitting(engine, name=name)  # type: ignore[attr-defined]
+    return engine
 

@@ -55,6 +55,7 @@ class CacheGenSettings(BaseSettings):
     max_elements: int | None = Field(None, ge=1, description="decoded KV elements of one blob")
     max_tokens: int | None = Field(None, ge=1, description="tokens of one chunk")
     progress: bool | None = Field(None, description="progress bar on long cold work (on a terminal)")
+    auto_profile: bool = Field(True, description="fit a model's missing profile in the background and share it via the store")
 
     @field_validator("store_options", mode="before")
     @classmethod

@@ -11,7 +11,7 @@ import numpy as np
 
 from cachegen_core.coders import StreamLayout
 from cachegen_core.errors import CoderError
-from cachegen_core.codec.profile import counts_to_freqs
+from cachegen_core.codec.classes import counts_to_freqs
 
 from .edits import raw_edit
 from .oracle import Result, run_one

@@ -15,7 +15,7 @@ import numpy as np
 
 from cachegen_core.errors import CacheGenFormatError
 from cachegen_core.codec.format import _PREAMBLE, _STREAM_ENTRY, MAGIC
-from cachegen_core.codec.profile import counts_to_freqs
+from cachegen_core.codec.classes import counts_to_freqs
 
 from .blobs import dump_header, header_of, repack, split, with_header
 from .edits import INTERESTING_INTS, json_get, json_paths, json_set, odd_value, raw_edit

@@ -1,4 +1,4 @@
-"""Fuzzing of profile files (safetensors tables + JSON metadata), as read from the user cache dir."""
+"""Fuzzing of profile files (safetensors classes and transform + JSON metadata), as read from the user cache dir or a store."""
 
 from __future__ import annotations
 
@@ -22,16 +22,18 @@ from .seeds import FINGERPRINT, LIMITS, MAX_TOKENS, Seed, make_codecs, make_seed
 
 
 def profile_file_cases(rng: random.Random, directory: Any, n: int) -> Iterator[tuple[str, Any]]:
-    """``n`` damaged or forged profile files (safetensors tables + JSON metadata) written to ``directory``.
+    """``n`` damaged or forged profile files (safetensors classes and 16-bit transform + JSON metadata)
+    written to ``directory``.
 
     Structured ones rewrite the metadata (missing keys, odd JSON types and values, deep
-    nesting, huge numbers) or the table array (dtype, shape, values) through safetensors
-    itself; raw ones flip, cut or splice the file's bytes."""
+    nesting, huge numbers) or one of the tensors (dtype, shape, values: classes past the bank,
+    non-finite or zero scales, a singular transform) through safetensors itself; raw ones flip,
+    cut or splice the file's bytes."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     _, codec, _ = make_codecs(0)[2]
     prof = codec.profile
-    assert prof is not None
+    assert prof is not None and prof.half is not None
     directory = Path(directory)
     good = directory / "good.safetensors"
     prof.save(good)
@@ -39,7 +41,7 @@ def profile_file_cases(rng: random.Random, directory: Any, n: int) -> Iterator[t
     for i in range(n):
         path = directory / f"case-{i}.safetensors"
         meta: Any = json.loads(json.dumps(prof.meta))
-        freqs = prof.freqs.astype(np.uint16)
+        tensors = {"classes": np.array(prof.classes), **{k: v.copy() for k, v in prof.half.items()}}
         r = rng.random()
         if r < 0.4:
             path_ = rng.choice(json_paths(meta)[1:])
@@ -54,28 +56,45 @@ def profile_file_cases(rng: random.Random, directory: Any, n: int) -> Iterator[t
         else:
             text = json.dumps(meta)
         if 0.5 <= r < 0.7:
-            g = np.random.default_rng(rng.randrange(2**32))
-            k = rng.randrange(5)
-            if k == 0:
-                freqs = freqs.astype(rng.choice([np.uint8, np.int32, np.float32, np.uint32]))
-            elif k == 1:
-                freqs = freqs[: max(0, freqs.shape[0] - rng.randint(1, 3))]
-            elif k == 2:
-                freqs = freqs.reshape(-1)
-            elif k == 3:
-                freqs = freqs.copy()
-                freqs[g.integers(freqs.shape[0]), g.integers(freqs.shape[1])] = rng.choice([0, 1, 65535])
-            else:
-                freqs = g.integers(0, 65536, freqs.shape).astype(np.uint16)
+            _damage_tensor(rng, tensors)
         try:
-            save_file({"freqs": np.ascontiguousarray(freqs)}, str(path), metadata={"cachegen_profile": text})
+            save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path), metadata={"cachegen_profile": text})
         except Exception:  # safetensors refuses to write it: write the raw good file instead
             path.write_bytes(raw)
         if r >= 0.7:  # raw damage to the file bytes
             b = bytearray(path.read_bytes())
             raw_edit(rng, b, raw)
             path.write_bytes(bytes(b))
-        yield f"profile-{'meta' if r < 0.5 else 'tables' if r < 0.7 else 'raw'}", path
+        yield f"profile-{'meta' if r < 0.5 else 'tensors' if r < 0.7 else 'raw'}", path
+
+
+def _damage_tensor(rng: random.Random, tensors: dict[str, np.ndarray]) -> None:
+    """One structured defect in one of a profile's tensors (or a tensor dropped or added)."""
+    g = np.random.default_rng(rng.randrange(2**32))
+    name = rng.choice(sorted(tensors))
+    t = tensors[name]
+    k = rng.randrange(7)
+    if k == 0:
+        tensors[name] = t.astype(rng.choice([np.uint8, np.int32, np.float32, np.float16, np.float64]))
+    elif k == 1:
+        tensors[name] = t[: max(0, t.shape[0] - rng.randint(1, 2))]
+    elif k == 2:
+        tensors[name] = t.reshape(-1)
+    elif k == 3:
+        t = t.copy()
+        flat = t.reshape(-1)
+        bad = {"classes": [255, 64, 200], "scale": [0.0, -1.0, np.inf, np.nan], "spread": [np.inf, np.nan],
+               "synthesis": [np.inf, np.nan, 65504.0]}[name]  # fmt: skip
+        flat[g.integers(flat.size)] = rng.choice(bad)
+        tensors[name] = t
+    elif k == 4 and name == "synthesis":
+        t = t.copy()
+        t[..., 0, :] = t[..., 1, :]  # two equal rows: singular
+        tensors[name] = t
+    elif k == 5:
+        del tensors[name]
+    else:
+        tensors["extra"] = g.integers(0, 255, 16).astype(np.uint8)
 
 
 def check_profile_file(path: Any, seeds: Sequence[Seed]) -> Result:

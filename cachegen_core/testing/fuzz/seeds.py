@@ -19,7 +19,9 @@ from cachegen_core.coders import available_coders, get_coder
 from cachegen_core.codec.config import CodecConfig
 from cachegen_core.codec.format import Limits
 from cachegen_core.kv import KVCache
+from cachegen_core.codec.kvstats import KVStats
 from cachegen_core.codec.profile import Profile
+from cachegen_core.codec.transform import fit_transform
 
 
 FINGERPRINT = "fuzz-model"
@@ -81,7 +83,9 @@ def make_codecs(seed: int = 0) -> list[tuple[str, KVCodec, list[KVCache]]]:
     cfg = CodecConfig()
     g = torch.Generator().manual_seed(seed + 1)
     train = [KVCache(torch.randn(2, 2, 64, 4, generator=g).cumsum(2) * 0.3, torch.randn(2, 2, 64, 4, generator=g))]
-    profile = Profile.fit(cfg, train, chunk_tokens=32, model_fingerprint=FINGERPRINT)
+    stats = KVStats.empty(2, 2, 4)
+    stats.add_covariance(train[0], rotary=None, chunk_tokens=32, sink_tokens=cfg.sink_tokens)
+    profile = Profile.fit(cfg, train, transform=fit_transform(stats.covariance), chunk_tokens=32, model_fingerprint=FINGERPRINT)
     kw: dict[str, Any] = {"fingerprint": FINGERPRINT, "max_tokens": MAX_TOKENS, "limits": LIMITS}
     return [
         ("inline", KVCodec(cfg, **kw), kvs),

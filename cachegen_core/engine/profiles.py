@@ -1,0 +1,176 @@
+"""The profile an engine codes with, and the one every process sharing a store comes to use.
+
+``resolve_profile`` (``from_pretrained(profile="auto")``) takes, in order: the user cache's
+profile of the model (``cachegen profile``), a shipped one (the reference model's), the one
+published in the store under the model fingerprint and codec id (``profile_key``), else none.
+Without one the engine codes without a profile (each blob carries its components' classes),
+and a ``ProfileFitter`` fits one in the background on the calibration text shipped with the
+package (``codec.fitting``), then publishes it into the store, first writer wins: it keeps what
+another process published first. Nothing changes under a running engine (its chunk keys bind
+"no profile"): the profile serves the engines started after it exists, in this process and in
+every other sharing the store, and the log says so. A signed store signs and checks it like
+every value; a profile read from a store is parsed as safetensors + JSON, never unpickled.
+
+The fitter never delays a request much: it starts once the engine has answered a request (or
+stood idle for ``start_after_s``), runs one model call at a time (a forward over a piece of
+1024 tokens, or one Fisher draw) only while no request of the process computes, holding the
+engine's model lock, and stops at exit before the interpreter finalises.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..codec.config import CodecConfig
+from ..codec.fitting import FitPlan, fit_profile
+from ..codec.profile import Profile
+from ..codec.profiles import find_profile
+from ..codec.rotary import RotarySpec
+from ..errors import CacheGenError, CacheGenFormatError, StoreError
+from ..stores.base import KVStore
+from .hf import kv_geometry
+
+log = logging.getLogger("cachegen_core.engine")
+_FITTERS: "weakref.WeakSet[ProfileFitter]" = weakref.WeakSet()
+
+
+def profile_key(fingerprint: str, codec_id: str) -> str:
+    """The store key a model's profile under a codec is published under."""
+    return f"profile:{codec_id}:{fingerprint}"
+
+
+def read_published(store: KVStore, fingerprint: str, config: CodecConfig, model: Any) -> Profile | None:
+    """The profile published in ``store`` for this model and codec, or None (absent, unreadable, or not this
+    model's: logged)."""
+    key = profile_key(fingerprint, config.codec_id)
+    try:
+        data = store.get(key)
+    except StoreError as e:
+        log.warning("cannot read the published profile %s: %s", key, e)
+        return None
+    if data is None:
+        return None
+    try:
+        profile = Profile.from_bytes(data, f"store entry {key}")
+        m = profile.meta
+        if profile.model_fingerprint != fingerprint or profile.codec_id != config.codec_id:
+            raise CacheGenFormatError("it names another model or codec")
+        if (m["num_layers"], m["kv_heads"], m["head_dim"]) != kv_geometry(model.config):
+            raise CacheGenFormatError("its shape is not the model's")
+    except CacheGenFormatError as e:
+        log.warning("the published profile %s is not used: %s", key, e)
+        return None
+    profile.origin = "published in the store"
+    return profile
+
+
+def publish(store: KVStore, profile: Profile, config: CodecConfig, model: Any) -> Profile:
+    """Put ``profile`` (of ``config``) into ``store`` unless one is published already (first writer wins);
+    returns the profile the store holds afterwards (``profile`` itself when the store cannot be read back)."""
+    first = read_published(store, profile.model_fingerprint, config, model)
+    if first is not None:
+        return first
+    store.put(profile_key(profile.model_fingerprint, profile.codec_id), profile.to_bytes())
+    return read_published(store, profile.model_fingerprint, config, model) or profile
+
+
+def resolve_profile(model: Any, fingerprint: str, config: CodecConfig, store: KVStore, *, name: str = "MODEL") -> Profile | None:
+    """The profile an engine starting now codes with (see the module doc), or None."""
+    found = find_profile(fingerprint, config, model=name)
+    return found if found is not None else read_published(store, fingerprint, config, model)
+
+
+class _Stopped(Exception):
+    """The fitter was asked to stop (engine closed or dropped, interpreter exiting)."""
+
+
+class ProfileFitter:
+    """Fits a profile for ``engine``'s model in a background thread and publishes it into its store.
+
+    Holds the engine weakly. ``texts`` and ``plan``: what it fits on (default: the shipped calibration
+    text, ``codec.fitting.FitPlan()``). ``start_after_s``: start this long after construction even if no
+    request has been answered; ``quiet_s``: how long the process must have had no request
+    computing before each model call. ``done`` is set when it has finished (``profile``: what the
+    store holds then, None on failure).
+    """
+
+    def __init__(self, engine: Any, *, name: str = "MODEL", texts: Sequence[str] | None = None, plan: FitPlan = FitPlan(),
+                 start_after_s: float = 10.0, quiet_s: float = 0.5) -> None:  # fmt: skip
+        self._engine = weakref.proxy(engine)
+        self.name = name
+        self.texts = texts
+        self.plan = plan
+        self.start_after_s = start_after_s
+        self.quiet_s = quiet_s
+        self.profile: Profile | None = None
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="cachegen-profile", daemon=True)
+        _FITTERS.add(self)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Ask the fitter to stop after its current model call, and wait for it."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Wait until no request of the process computes, then hold the engine's model lock for one call."""
+        e = self._engine
+        while True:
+            if self._stop.is_set():
+                raise _Stopped
+            answered = bool(e.metrics_recorder.snapshot()) or time.monotonic() - self._started >= self.start_after_s
+            if not answered or not e.writer.idle.wait(timeout=0.5) or self._stop.wait(self.quiet_s):
+                continue
+            with e._lock:
+                if e.writer.idle.is_set() and not self._stop.is_set():
+                    yield
+                    return
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            e = self._engine
+            config, store, model = e.codec.config, e.store, e.model
+            fp = e.fingerprint
+            profile = fit_profile(model, e.tokenizer, self.texts, config, plan=self.plan, fingerprint=fp,
+                                  rotary=RotarySpec.from_model(model), guard=self._guard)  # fmt: skip
+            self.profile = publish(store, profile, config, model)
+            how = "fitted" if self.profile.id == profile.id else "fitted, but another process published one first:"
+            log.warning("profile %s %s in %.0f s, published in the store as %s: engines started from now on code with it "
+                        "(this one keeps coding without, so its chunk keys do not change)", self.profile.id, how,
+                        time.perf_counter() - t0, profile_key(fp, config.codec_id))  # fmt: skip
+        except (_Stopped, ReferenceError):
+            pass
+        except (CacheGenError, StoreError, RuntimeError, ValueError, OSError) as e:
+            log.warning("fitting a profile for %s in the background failed: %s", self.name, e)
+        finally:
+            self.done.set()
+
+
+def start_fitting(engine: Any, *, name: str = "MODEL") -> ProfileFitter:
+    """Log that ``engine`` codes without a profile and start a ``ProfileFitter`` for it."""
+    log.warning("no codec profile for %s: coding without one (larger chunks) while one is fitted in the background "
+                "on the shipped calibration text (`cachegen profile --model %s` fits one on your own texts)", name, name)  # fmt: skip
+    return ProfileFitter(engine, name=name)
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop every fitter before the interpreter finalises (a torch call then would abort it)."""
+    fitters = list(_FITTERS)
+    for f in fitters:
+        f._stop.set()
+    for f in fitters:
+        f._thread.join()  # at most one model call: a piece of a prefill or one Fisher draw
