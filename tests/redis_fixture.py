@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from typing import NoReturn
 
 import pytest
 
@@ -23,11 +24,16 @@ def redis_server_binary() -> str:
     """Path of ``redis-server``; skips the test (fails it under CI) when missing."""
     path = find_redis_server()
     if path is None:
-        msg = f"redis-server not found on PATH ({INSTALL_HINT})"
-        if in_ci():
-            pytest.fail(msg + "; it is required when CI is set", pytrace=False)
-        pytest.skip(msg)
+        _missing("redis-server")
     return path
+
+
+def _missing(program: str) -> NoReturn:
+    """Skip the test for lack of ``program``; fail it under CI, where it is required."""
+    msg = f"{program} not found on PATH ({INSTALL_HINT})"
+    if in_ci():
+        pytest.fail(msg + "; it is required when CI is set", pytrace=False)
+    pytest.skip(msg)
 
 
 @pytest.fixture(scope="session")
@@ -48,10 +54,7 @@ def redis_cluster_binary() -> str:
     """Path of ``redis-server``, with ``redis-cli`` beside it on PATH (it creates the cluster); skips (fails under CI) without."""
     path = redis_server_binary()
     if shutil.which("redis-cli") is None:
-        msg = f"redis-cli not found on PATH ({INSTALL_HINT})"
-        if in_ci():
-            pytest.fail(msg + "; it is required when CI is set", pytrace=False)
-        pytest.skip(msg)
+        _missing("redis-cli")
     return path
 
 

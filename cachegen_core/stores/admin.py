@@ -14,7 +14,7 @@ tier (``tiers.py``): the raw forms, and the rest (manifests, levels, other keys)
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -237,16 +237,13 @@ def gc(store: KVStore, policy: GcPolicy, *, dry_run: bool = False) -> dict[str, 
             batch = victims[i : i + 200]
             backend.delete_many([k for c in batch for k in c.keys[:1] if k.endswith("-M")])
             backend.delete_many([k for c in batch for k in c.keys if not k.endswith("-M")])
-    by_reason: dict[str, int] = defaultdict(int)
-    for r in reasons.values():
-        by_reason[r] += 1
     return {
         "store": repr(unwrap(store)),
         "dry_run": dry_run,
         "chunks_deleted": len(victims),
         "keys_deleted": sum(len(c.keys) for c in victims),
         "bytes_freed": sum(c.bytes for c in victims),
-        "by_reason": dict(by_reason),
+        "by_reason": dict(Counter(reasons.values())),
         "chunks_left": len(s.chunks) - len(victims),
         "bytes_left": left,
         "unknown_ages": sum(c.age_s is None for c in s.chunks.values()),
@@ -276,16 +273,13 @@ def _gc_raw(store: KVStore, s: Scan, policy: GcPolicy, dry_run: bool) -> dict[st
         keys = list(reasons)
         for i in range(0, len(keys), 200):  # the manifests still name them: a reader takes the next form
             unwrap(store).delete_many(keys[i : i + 200])
-    by_reason: dict[str, int] = defaultdict(int)
-    for r in reasons.values():
-        by_reason[r] += 1
     return {
         "store": repr(unwrap(store)),
         "dry_run": dry_run,
         "tier": RAW_TIER,
         "blobs_deleted": len(reasons),
         "bytes_freed": sum(size[k] for k in reasons),
-        "by_reason": dict(by_reason),
+        "by_reason": dict(Counter(reasons.values())),
         "raw_bytes_left": left,
         "unknown_ages": sum(a is None for *_, a in blobs),
     }
