@@ -162,8 +162,9 @@ inline void count_row(const uint8_t* q, int64_t n, uint32_t* hist) {
 
 struct Params {
     float level_step, cap;
-    bool fitted;  // the chunk holds components: no centring, base step = level_step
-    bool avx2;    // the CPU has AVX2: quantise_row_avx2 and count_near_avx2 can run
+    bool fitted;           // the chunk holds components: no centring, base step = level_step
+    bool avx2;             // the CPU has AVX2: quantise_row_avx2 and count_near_avx2 can run
+    const float* weights;  // null, or (unfitted) each component's base step multiplier, (2, layers, heads, head_dim)
 };
 
 inline int quantise(const Params& p, const float* x, const float* m, const float* s, int32_t d, uint8_t* q) {
@@ -328,12 +329,14 @@ CG_CLONES int layer_task(const Chunk& c, const Params& p, int kind, int32_t l, f
         if (p.cap > 0) comp.finish(comp_sq.data() + h * d);
     }
     if (nonfinite) return 1;
-    // Steps: base = level_step * the layer's RMS (c.square().mean(dim=(1, 2, 3)).sqrt()) or level_step.
+    // Steps: base = level_step * the layer's RMS (c.square().mean(dim=(1, 2, 3)).sqrt()), times the
+    // component's weight when there are weights; or level_step.
     const float base = p.fitted ? p.level_step : p.level_step * std::sqrt(layer.finish() / (float)(heads * n * d));
     float* s = step + col0;
     for (int64_t i = 0; i < vec; ++i) {
         const float peak = std::max(std::fabs(lo[i] - m[i]), std::fabs(hi[i] - m[i]));  // x - mean is monotone in x
-        s[i] = component_step(base, peak, p.cap, p.cap > 0 ? std::sqrt(comp_sq[i] / (float)n) : 0.0f);
+        const float b = p.weights ? base * p.weights[col0 + i] : base;
+        s[i] = component_step(b, peak, p.cap, p.cap > 0 ? std::sqrt(comp_sq[i] / (float)n) : 0.0f);
     }
     // Symbols into this layer's part of scratch (token-major rows of heads * dim), counted there.
     uint8_t* own = scratch + ((int64_t)kind * c.layers + l) * n * vec;
@@ -363,7 +366,9 @@ extern "C" {
 // keys, or both null (keys as they are). fitted = 0: per (kind, layer, head, dim) the bfloat16 mean
 // of the coded tokens is written to mean, and base steps are level_step times the layer's RMS;
 // fitted = 1: the chunk holds components (no exact tokens, no rotary), mean gets zeros and base
-// steps are level_step. cap > 0: no step above cap times its component's RMS. mean, step: float
+// steps are level_step. weights (fitted = 0 only; or null): float (2, layers, heads, head_dim), finite
+// and positive, each component's base step multiplied by its weight. cap > 0: no step above cap times
+// its component's RMS. mean, step: float
 // (2, layers, heads, head_dim) outputs. out (out_len = (tokens - first) * 2 * layers * heads *
 // head_dim bytes) gets the symbols in substream order (token, kind, layer, head, dim), through
 // scratch (out_len bytes, layer-major: each task writes its own part); counts (or
@@ -373,7 +378,7 @@ extern "C" {
 CG_EXPORT int cg_encode_chunk(const float* keys, const float* values, const int64_t* strides, const int64_t* extents,
                               int32_t layers, int32_t heads, int64_t tokens, int32_t head_dim, int64_t first,
                               const float* cos, const float* sin, float scale2, float level_step, float cap,
-                              int32_t fitted, float* mean, float* step, uint8_t* out, int64_t out_len, uint8_t* scratch,
+                              int32_t fitted, const float* weights, float* mean, float* step, uint8_t* out, int64_t out_len, uint8_t* scratch,
                               int64_t* counts, int32_t* finite, int32_t n_threads) {
     Chunk c;
     if (int e = check_chunk(keys, values, strides, extents, layers, heads, tokens, head_dim, first, cos, sin, scale2, &c))
@@ -382,12 +387,14 @@ CG_EXPORT int cg_encode_chunk(const float* keys, const float* values, const int6
     if (!mean || !step || !finite || !out || !scratch || out_len != n * period || n < 1) return CG_ERR_ARGS;
     if ((int64_t)heads * head_dim > kMaxChannels) return CG_ERR_ARGS;
     if (!(level_step > 0) || !std::isfinite(level_step) || !(cap >= 0) || !std::isfinite(cap)) return CG_ERR_ARGS;
-    if (fitted != 0 && (fitted != 1 || first != 0 || cos)) return CG_ERR_ARGS;
+    if (fitted != 0 && (fitted != 1 || first != 0 || cos || weights)) return CG_ERR_ARGS;
+    for (int64_t i = 0; weights && i < period; ++i)
+        if (!(weights[i] > 0) || !std::isfinite(weights[i])) return CG_ERR_ARGS;
     if (counts) std::fill(counts, counts + 2 * layers * 256, (int64_t)0);
 #if defined(CG_X86)
-    const Params p{level_step, cap, fitted == 1, (bool)__builtin_cpu_supports("avx2")};
+    const Params p{level_step, cap, fitted == 1, (bool)__builtin_cpu_supports("avx2"), weights};
 #else
-    const Params p{level_step, cap, fitted == 1, false};
+    const Params p{level_step, cap, fitted == 1, false, weights};
 #endif
     const int64_t vec = (int64_t)heads * head_dim;
     std::atomic<int> status{0};

@@ -13,6 +13,8 @@ extern "C" {
 
 // Format version of rans_core.h's substreams, and the lanes per substream.
 CG_EXPORT int32_t cg_format_version(void) { return 1; }
+// Version of the entry points' signatures: a build older than the Python binding is refused, not misread.
+CG_EXPORT int32_t cg_api_version(void) { return 2; }
 CG_EXPORT int32_t cg_lanes(void) { return CG_LANES; }
 
 // Bytes a substream of n symbols may need at most (one word per symbol plus the states).

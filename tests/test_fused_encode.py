@@ -70,6 +70,27 @@ def test_tiny_model_kv_identical_at_every_level(tiny_kv, config, rotary):
             assert_same(ref, got, kv.num_layers)
 
 
+def random_weights(kv: KVCache, seed: int = 0) -> torch.Tensor:
+    """Step weights log-uniform in [1/8, 8], as ``weights.step_weights`` keeps them."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp((torch.rand(2, kv.num_layers, kv.num_kv_heads, kv.head_dim, generator=g) * 2 - 1) * np.log(8.0))
+
+
+@pytest.mark.parametrize("rotary", [None, 1.0], ids=["no-rotary", "rotary"])
+def test_step_weights_identical_on_both_paths(tiny_kv, rotary):
+    """Without a profile, steps multiplied by each component's weight: the same floats natively (base * weight)."""
+    config, rot, w = CodecConfig(sink_tokens=4, step_cap=2.0), None if rotary is None else spec(rotary, tiny_kv.head_dim), random_weights(tiny_kv)
+    for kv, start in ((tiny_kv, 0), (tiny_kv.slice(3, 40), 3), (tiny_kv.slice(9, 10), 9)):
+        for level in range(config.n_levels):
+            for cap in (0.0, config.step_cap):
+                ref, got = both_paths(kv, config.level_step(level, fitted=False, weighted=True), fitted=False, step_cap=cap,
+                                      start=start, sink_tokens=config.sink_tokens, rotary=rot, weights=w)  # fmt: skip
+                assert_same(ref, got, kv.num_layers)
+    plain = quantise_chunk(tiny_kv, identity_transform(*w.shape[1:]), 0.5, fitted=False)[0].step
+    weighted = quantise_chunk(tiny_kv, identity_transform(*w.shape[1:]), 0.5, fitted=False, weights=w)[0].step
+    assert not torch.equal(plain, weighted)  # the weights are applied
+
+
 @pytest.mark.parametrize("dim", [8, 16, 48, 64])  # row sums only, both kinds of column, cascades only
 @pytest.mark.parametrize("tokens", [2, 37, 700])
 def test_sums_in_torch_order_give_identical_means_and_steps(dim, tokens):
@@ -107,7 +128,8 @@ def test_torch_sum_order_is_torchs_bit_for_bit():
 def test_blobs_byte_identical_to_the_torch_path(tiny_kv, tiny_llama, monkeypatch, dtype):
     rot = RotarySpec.from_model(tiny_llama)
     buf = KVCache(tiny_kv.keys.to(dtype), tiny_kv.values.to(dtype))
-    for codec in (KVCodec(), KVCodec(CodecConfig(sink_tokens=4), rotary=rot), KVCodec(CodecConfig(stream_symbols=700))):
+    weighted = KVCodec(rotary=rot, weights=random_weights(tiny_kv, 1))
+    for codec in (KVCodec(), KVCodec(CodecConfig(sink_tokens=4), rotary=rot), KVCodec(CodecConfig(stream_symbols=700)), weighted):
         for kv, start in ((buf, 0), (buf.slice(5, 100), 5), (buf.slice(0, 1), 0), (buf.slice(7, 8), 7)):
             native = [codec.encode(kv, level, start=start) for level in codec.levels]
             with monkeypatch.context() as m:
@@ -115,8 +137,9 @@ def test_blobs_byte_identical_to_the_torch_path(tiny_kv, tiny_llama, monkeypatch
                 assert native == [codec.encode(kv, level, start=start) for level in codec.levels]
 
 
-def test_decoded_components_within_half_a_step(tiny_kv):
-    codec = KVCodec()
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "weighted"])
+def test_decoded_components_within_half_a_step(tiny_kv, weighted):
+    codec = KVCodec(weights=random_weights(tiny_kv, 2) if weighted else None)
     kv = tiny_kv.slice(1, 120)  # a slice of the buffer, no sink token in it
     for level in codec.levels:
         got = codec.decode(codec.encode(kv, level, start=1))
@@ -179,7 +202,7 @@ def _call(lib, **kw):
     x = torch.randn(L, H, T, D)
     a = dict(keys=x.data_ptr(), values=x.data_ptr(), strides=np.array([H * T * D, T * D, D] * 2, np.int64),
              extents=np.array([x.numel()] * 2, np.int64), layers=L, heads=H, tokens=T, head_dim=D, first=1, cos=None,
-             sin=None, scale2=1.0, level_step=0.5, cap=0.0, fitted=0, mean=np.full((2, L, H, D), 7, np.float32),
+             sin=None, scale2=1.0, level_step=0.5, cap=0.0, fitted=0, weights=None, mean=np.full((2, L, H, D), 7, np.float32),
              step=np.full((2, L, H, D), 7, np.float32), out=np.full(2 * L * H * D * (T - 1), 7, np.uint8),
              out_len=2 * L * H * D * (T - 1), scratch=np.full(2 * L * H * D * (T - 1), 7, np.uint8),
              counts=np.full((2 * L, 256), 7, np.int64), finite=np.zeros(1, np.int32), threads=2)  # fmt: skip
@@ -204,6 +227,8 @@ def test_library_checks_its_arguments():
         dict(cos=cos.ctypes.data, sin=cos.ctypes.data, scale2=0.0), dict(level_step=0.0), dict(level_step=float("nan")),
         dict(cap=-1.0), dict(cap=float("inf")), dict(fitted=2), dict(fitted=1), dict(mean=None), dict(step=None),
         dict(finite=None), dict(out=None), dict(scratch=None), dict(keys=None), dict(strides=None), dict(heads=1 << 14, head_dim=1 << 7),
+        *(dict(weights=np.where(np.arange(32) == 17, bad, 1.0).astype(np.float32)) for bad in (0.0, -1.0, np.nan, np.inf)),
+        dict(fitted=1, first=0, weights=np.ones(32, np.float32)),  # weights: (2, layers, heads, dim), without a profile only
     ]  # fmt: skip
     for kw in bad:
         err, a, _ = _call(lib, **kw)
@@ -212,6 +237,8 @@ def test_library_checks_its_arguments():
         assert not written, kw
     err, a, _ = _call(lib, counts=None)  # counting is optional
     assert err == 0
+    err, a, _ = _call(lib, weights=np.full(32, 0.5, np.float32))  # valid weights
+    assert err == 0 and a["finite"][0] == 1
     assert lib.cg_torch_sums(None, 1, 1, 1, None, None) == -7
 
 

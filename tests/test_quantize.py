@@ -72,5 +72,10 @@ def test_levels_get_coarser():
     unprofiled = [cfg.level_step(lv, fitted=False) for lv in range(cfg.n_levels)]
     assert unprofiled == sorted(unprofiled) and unprofiled[0] == cfg.levels[0]  # level 0 stays near-lossless
     assert unprofiled[1:] == [s * cfg.unprofiled_scale for s in cfg.levels[1:]]
-    with pytest.raises(ValueError, match="unprofiled_scale"):
-        CodecConfig(unprofiled_scale=0.0)
+    weighted = [cfg.level_step(lv, fitted=False, weighted=True) for lv in range(cfg.n_levels)]
+    assert weighted[0] == cfg.levels[0] and weighted[1:] == [s * cfg.weighted_scale for s in cfg.levels[1:]]
+    assert cfg.level_step(1, weighted=True) == cfg.levels[1]  # a profile's steps are never scaled
+    for bad in (dict(unprofiled_scale=0.0), dict(weighted_scale=-1.0), dict(weighted_scale=float("inf"))):
+        with pytest.raises(ValueError, match="unprofiled_scale and weighted_scale"):
+            CodecConfig(**bad)
+    assert CodecConfig(weighted_scale=3.0).codec_id != cfg.codec_id  # part of the codec id

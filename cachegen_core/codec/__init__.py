@@ -1,10 +1,11 @@
 """The codec: everything a blob is made of and decoded from.
 
-A chunk's KV goes through the codec v2 pipeline (``pipeline``: exact sink tokens, the chunk
+A chunk's KV goes through the codec v3 pipeline (``pipeline``: exact sink tokens, the chunk
 mean, keys before the rotary embedding (``rotary``), the per-head transform (``transform``),
 uniform steps (``quantize``)), its symbols are laid out in substreams (``substreams``) and
-entropy-coded with the model's profiled tables (``profile``, fitted from ``kvstats``; ``bitstats``
-says where the bits go) into the versioned container (``format``) as a checked blob (``blob``).
+entropy-coded with the model's profiled tables (``profile``, fitted from ``kvstats``; without a
+profile, steps weighted by the model's measured sensitivity, ``weights``; ``bitstats`` says where the
+bits go) into the versioned container (``format``) as a checked blob (``blob``).
 ``kvcodec.KVCodec`` ties it together (``encode``/``decode``); ``fused`` and ``fused_encode`` are the
 native one-pass decoder and encoder; ``raw`` the exact 16-bit forms in the same container;
 ``limits`` bounds what a stored blob may make the decoder allocate; ``config`` the frozen

@@ -12,8 +12,9 @@ from .classes import DEFAULT_CLASSES, digest
 #: Step of each level, from near-lossless (0) to the coarsest. With a profile the step is in
 #: units of the RMS of the Fisher-weighted components (``transform.py``), the same for every
 #: component of every layer; without one, in units of the RMS of each layer's channels.
-#: Chosen on SmolLM2-135M (``docs/results.md``, "Codec v2").
-DEFAULT_LEVELS: tuple[float, ...] = (0.03, 0.075, 0.16, 0.34)
+#: Chosen on SmolLM2-135M (``docs/results.md``, "Codec v2"; level 1 moved from 0.075 to 0.085 with
+#: codec v3's fixed tables: 3.46 bits at 99.4 % top-1 on the tuning transcripts, 2026-11-27).
+DEFAULT_LEVELS: tuple[float, ...] = (0.03, 0.085, 0.16, 0.34)
 TRANSFORMS = ("fisher-klt", "pca", "none")
 
 
@@ -33,8 +34,10 @@ class CodecConfig:
     ``table_classes``: how many frequency tables code every component (``classes.py``: discrete
     Gaussian laws at log-spaced scales; a profile or the blob names each component's).
     ``unprofiled_scale``: without a profile the step of a level above 0 is this many times its
-    step (in units of each layer's RMS), measured so that the default level costs ~4.4 bits per
-    element without a profile (3.5 with one) at about the same quality (``docs/results.md``).
+    step (in units of each layer's RMS), measured so that the default level costs ~4.25 bits per
+    element without a profile (3.5 with one) at about the same quality (``docs/results.md``);
+    ``weighted_scale``: the same factor when the codec has step weights (``weights.py``): chosen on the
+    tuning transcripts 0-11 for ~3.85 bits at 99.1-99.2 % top-1 (2026-11-27).
     """
 
     levels: tuple[float, ...] = field(default=DEFAULT_LEVELS)
@@ -45,6 +48,7 @@ class CodecConfig:
     transform: str = "fisher-klt"
     fisher_eps: float = 1.0
     unprofiled_scale: float = 2.67
+    weighted_scale: float = 3.6
     table_classes: int = DEFAULT_CLASSES
 
     def __post_init__(self) -> None:
@@ -59,8 +63,8 @@ class CodecConfig:
             raise ValueError("sink_tokens must be >= 0")
         if self.step_cap < 0:
             raise ValueError("step_cap must be >= 0")
-        if not 0 < self.unprofiled_scale < float("inf"):
-            raise ValueError("unprofiled_scale must be positive")
+        if not 0 < self.unprofiled_scale < float("inf") or not 0 < self.weighted_scale < float("inf"):
+            raise ValueError("unprofiled_scale and weighted_scale must be positive")
         if self.stream_symbols < 1:
             raise ValueError("stream_symbols must be >= 1")
         if self.transform not in TRANSFORMS:
@@ -74,12 +78,15 @@ class CodecConfig:
     def n_levels(self) -> int:
         return len(self.levels)
 
-    def level_step(self, level: int, *, fitted: bool = True) -> float:
+    def level_step(self, level: int, *, fitted: bool = True, weighted: bool = False) -> float:
         """The step of ``level`` (see ``DEFAULT_LEVELS``); ``fitted=False``: for a codec without a
-        fitted transform (``unprofiled_scale`` times larger, except level 0: near-lossless either way)."""
+        fitted transform (``unprofiled_scale`` times larger, ``weighted_scale`` with step weights; level 0
+        is near-lossless either way)."""
         if not 0 <= level < self.n_levels:
             raise ValueError(f"level {level} not in [0, {self.n_levels})")
-        return self.levels[level] * (1.0 if fitted or level == 0 else self.unprofiled_scale)
+        if fitted or level == 0:
+            return self.levels[level]
+        return self.levels[level] * (self.weighted_scale if weighted else self.unprofiled_scale)
 
     def tokens_per_stream(self, symbols_per_token: int) -> int:
         """Tokens per substream for a model with ``symbols_per_token`` (2 x layers x channels)."""

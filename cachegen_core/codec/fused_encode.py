@@ -57,11 +57,12 @@ def quantise_chunk(
     start: int = 0,
     sink_tokens: int = 1,
     rotary: RotarySpec | None = None,
+    weights: torch.Tensor | None = None,
     count: bool = False,
     native: bool | None = None,
     threads: int | None = None,
 ) -> tuple[Coded, np.ndarray, np.ndarray | None]:
-    """``kv`` quantised at ``level_step`` (``pipeline.quantise``'s arguments): the ``Coded`` chunk, its
+    """``kv`` quantised at ``level_step`` (``pipeline.quantise``'s arguments, ``weights`` included): the ``Coded`` chunk, its
     symbols flat in substream order (``flatten_symbols``) and, when ``count`` and done natively, the
     count of every symbol per (kind, layer) (int64 ``(2 * layers, 256)``; else None).
 
@@ -76,23 +77,24 @@ def quantise_chunk(
             raise KVShapeError("KV cache contains NaN or infinite values")
         comp = components(kv, transform, start=start, sink_tokens=sink_tokens, rotary=rotary)
         if not native:
-            coded = quantise(comp, level_step, fitted=fitted, step_cap=step_cap)
+            coded = quantise(comp, level_step, fitted=fitted, step_cap=step_cap, weights=weights)
             return coded, flatten_symbols(coded.symbols), None
         _, step, flat, counts = _encode_chunk([_float32_rows(c) for c in comp.values], 0, None, level_step, step_cap, True,
-                                              count, threads)  # fmt: skip
+                                              None, count, threads)  # fmt: skip
         return _coded(flat, comp.mean, step, comp.exact), flat, counts
     x = [_float32_rows(t) for t in (kv.keys, kv.values)]
     rot = _cos_sin(rotary, start, kv.num_tokens, n_exact)
-    mean, step, flat, counts = _encode_chunk(x, n_exact, rot, level_step, step_cap, False, count, threads)
+    mean, step, flat, counts = _encode_chunk(x, n_exact, rot, level_step, step_cap, False, weights, count, threads)
     return _coded(flat, mean, step, torch.stack([t[:, :, :n_exact] for t in x])), flat, counts
 
 
 def _encode_chunk(x: list[torch.Tensor], first: int, rot: tuple[torch.Tensor, torch.Tensor, float] | None, level_step: float,
-                  cap: float, fitted: bool, count: bool, threads: int | None,
+                  cap: float, fitted: bool, weights: torch.Tensor | None, count: bool, threads: int | None,
                   ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray | None]:  # fmt: skip
     """``cg_encode_chunk`` on keys and values ``x`` (float32, rows contiguous) coded from token ``first``:
     float32 means and steps ``(2, layers, heads, dim)``, the flat symbols and (``count``) their counts."""
     layers, heads, tokens, dim = x[0].shape
+    w = None if weights is None else np.ascontiguousarray(weights.detach().cpu().numpy(), dtype=np.float32).reshape(2, layers, heads, dim)
     strides = np.array([t.stride()[:3] for t in x], dtype=np.int64).reshape(-1)
     extents = np.array([t.untyped_storage().nbytes() // 4 - t.storage_offset() for t in x], dtype=np.int64)
     cos, sin, scale2 = rot if rot is not None else (None, None, 1.0)
@@ -104,7 +106,7 @@ def _encode_chunk(x: list[torch.Tensor], first: int, rot: tuple[torch.Tensor, to
     err = native_lib.cpu_library().cg_encode_chunk(
         x[0].data_ptr(), x[1].data_ptr(), ptr(strides), ptr(extents), layers, heads, tokens, dim, first,
         None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), scale2, level_step, cap,
-        int(fitted), ptr(mean), ptr(step), ptr(out), n, ptr(scratch), None if counts is None else ptr(counts), ptr(finite),
+        int(fitted), None if w is None else ptr(w), ptr(mean), ptr(step), ptr(out), n, ptr(scratch), None if counts is None else ptr(counts), ptr(finite),
         threads or os.cpu_count() or 1,
     )  # fmt: skip
     if err == -6 or (not err and not finite[0]):  # CG_ERR_SYMBOL: a quotient that is not a number

@@ -33,6 +33,7 @@ from .quantize import OFFSET, RADIUS, dequantize
 from .rotary import RotarySpec
 from .substreams import ChunkGeometry, chunk_classes, stream_layout, unflatten_symbols
 from .transform import Transform, identity_transform
+from .weights import check_weights
 
 class KVCodec:
     """Encode and decode KV chunks; one instance per (model, codec configuration, profile).
@@ -50,6 +51,8 @@ class KVCodec:
     ``rotary``: the model's rotary embedding (``RotarySpec.from_model(model)``); keys are
     then coded before it. Defaults to the profile's; a profile fitted with another one
     (or without) is refused. Without either, keys are coded as they are.
+    ``weights`` (assignable as ``step_weights``): with no profile, each component's step multiplier
+    (``weights.py``, measured by ``fitting.fit_weights``); they change what is encoded, never what decodes.
     """
 
     def __init__(
@@ -63,8 +66,10 @@ class KVCodec:
         max_tokens: int = 1 << 17,
         device: str | torch.device | None = None,
         rotary: RotarySpec | None = None,
+        weights: torch.Tensor | None = None,
     ) -> None:
         self.config = config or CodecConfig()
+        self.step_weights = None if weights is None else check_weights(weights)
         if profile is not None and profile.codec_id != self.config.codec_id:
             raise ValueError(
                 f"profile was fitted for codec {profile.codec_id}, not {self.config.codec_id}: refit it with this configuration "
@@ -81,7 +86,6 @@ class KVCodec:
         self.limits = limits
         self.max_tokens = max_tokens
         self.device = torch.device("cpu" if device is None else device)
-        self._transforms: dict[tuple[int, int, int], Transform] = {}
         if self.device.type != "cpu":  # fail now, not at the first blob
             try:
                 get_decoder(self._coder().name, self.device)
@@ -106,12 +110,7 @@ class KVCodec:
         return self.profile is not None and self.profile.transform is not None
 
     def _transform(self, layers: int, heads: int, dim: int) -> Transform:
-        if self._fitted:
-            return self.profile.transform  # type: ignore[union-attr,return-value]
-        key = (layers, heads, dim)
-        if key not in self._transforms:
-            self._transforms[key] = identity_transform(layers, heads, dim)
-        return self._transforms[key]
+        return self.profile.transform if self._fitted else identity_transform(layers, heads, dim)  # type: ignore[union-attr,return-value]
 
     def _geometry(self, layers: int, heads: int, tokens: int, dim: int, start: int) -> ChunkGeometry:
         coded = tokens - exact_tokens(start, tokens, self.config.sink_tokens)
@@ -136,10 +135,11 @@ class KVCodec:
             raise ValueError(f"start must be an integer in [0, {MAX_START}]")
         self._check_kv(kv)
         layers, heads, tokens, dim = kv.shape
+        w = None if self.profile is not None else self.step_weights  # its shape checked by _check_kv
         coded, symbols, _ = quantise_chunk(
-            kv, self._transform(layers, heads, dim), self.config.level_step(level, fitted=self._fitted), fitted=self._fitted,
-            step_cap=self.config.step_cap, start=start, sink_tokens=self.config.sink_tokens, rotary=self.rotary,
-        )  # fmt: skip
+            kv, self._transform(layers, heads, dim), self.config.level_step(level, fitted=self._fitted, weighted=w is not None),
+            fitted=self._fitted, step_cap=self.config.step_cap, start=start, sink_tokens=self.config.sink_tokens, rotary=self.rotary,
+            weights=w)  # fmt: skip
         geo = self._geometry(layers, heads, tokens, dim, start)
         sections = {"mean": bf16_section(coded.mean), "step": bf16_section(coded.step)}
         if coded.exact.shape[3]:
@@ -195,10 +195,10 @@ class KVCodec:
         if self.profile is not None:
             m = self.profile.meta
             if (kv.num_layers, kv.num_kv_heads, kv.head_dim) != (m["num_layers"], m["kv_heads"], m["head_dim"]):
-                raise KVShapeError(
-                    f"KV of shape {kv.shape} does not match the profile's model "
-                    f"({m['num_layers']} layers, {m['kv_heads']} KV heads of {m['head_dim']})"
-                )
+                raise KVShapeError(f"KV of shape {kv.shape} does not match the profile's model "
+                                   f"({m['num_layers']} layers, {m['kv_heads']} KV heads of {m['head_dim']})")  # fmt: skip
+        elif self.step_weights is not None and self.step_weights.shape[1:] != (kv.num_layers, kv.num_kv_heads, kv.head_dim):
+            raise KVShapeError(f"KV of shape {kv.shape} does not match the step weights {tuple(self.step_weights.shape)}")
 
     # ---------------------------------------------------------------- decoding
     def decode(self, blob: bytes | Checked, level: int | None = None, *, device: str | torch.device | None = None,

@@ -9,8 +9,10 @@ Per kind (0 = keys, 1 = values), for a chunk whose first token sits at position 
    transformed per head into components (``transform.py``);
 4. components are quantised with one step per (layer, head, component) (``quantize.py``):
    ``level step x RMS of the kind's layer in the chunk`` with the identity transform of a
-   codec without profile, ``level step`` for every component with a fitted transform
-   (whose components all weigh the same).
+   codec without profile, times the component's weight when the codec has step weights
+   (``weights.py``: the model's measured sensitivity, so that every component's error costs
+   the same), ``level step`` for every component with a fitted transform (whose components
+   all weigh the same).
 
 Reconstruction per element: ``x = mean + B @ ((s - 128) * step)``, then the rotation.
 """
@@ -76,14 +78,19 @@ def components(
     return Components(torch.stack(comps), torch.stack(means), torch.stack(exact))
 
 
-def quantise(comp: Components, level_step: float, *, fitted: bool, step_cap: float = 0.0) -> Coded:
-    """Step 4 of the module docstring; ``fitted``: the transform comes from a profile."""
+def quantise(comp: Components, level_step: float, *, fitted: bool, step_cap: float = 0.0, weights: torch.Tensor | None = None) -> Coded:
+    """Step 4 of the module docstring; ``fitted``: the transform comes from a profile; ``weights``: float32
+    ``(2, layers, heads, dim)``, each component's step multiplier without one (None: 1)."""
+    if fitted and weights is not None:
+        raise ValueError("step weights apply to coding without a profile only")
     symbols, stps = [], []
-    for c in comp.values:
+    for kind, c in enumerate(comp.values):
         if fitted or not c.shape[2]:
             base = torch.tensor(level_step)
         else:
             base = level_step * c.square().mean(dim=(1, 2, 3)).sqrt()[:, None, None]
+            if weights is not None:
+                base = base * weights[kind].to(base.device)
         step = steps(c, base, step_cap)
         symbols.append(quantize(c, step))
         stps.append(step)

@@ -21,6 +21,7 @@ in 16 bits (``to_half``): float16 scaled per matrix, ``A`` its exact inverse (``
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,8 +85,9 @@ def fit_transform(covariance: torch.Tensor, fisher: torch.Tensor | None = None, 
     return Transform(analysis.float().contiguous(), synthesis.float().contiguous(), (lam.sqrt() / g).float().contiguous())
 
 
+@functools.lru_cache(maxsize=4)
 def identity_transform(layers: int, heads: int, dim: int) -> Transform:
-    """Components = channels (the codec without a profile)."""
+    """Components = channels (the codec without a profile); one per shape, shared (never written to)."""
     eye = torch.eye(dim).expand(2, layers, heads, dim, dim).contiguous()
     return Transform(eye, eye, torch.ones(2, layers, heads, dim), identity=True)
 

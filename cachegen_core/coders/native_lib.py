@@ -32,6 +32,8 @@ CSRC = Path(__file__).resolve().parent.parent.parent / "csrc"
 FORMAT_VERSION = 1
 #: The byte format of ``csrc/rans_core.h``, recorded in every blob it codes.
 CODER_NAME = f"native-rans16-v{FORMAT_VERSION}"
+#: The entry points' signatures as bound below (``cg_api_version``): a library built from older sources is refused.
+API_VERSION = 2
 _ERRORS = {
     -1: "payload too short (truncated)",
     -2: "invalid initial coder state (corrupted)",
@@ -88,6 +90,10 @@ def _library_path() -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    api = getattr(lib, "cg_api_version", None)
+    if api is None or api() != API_VERSION:
+        raise RuntimeError(f"the native library is a stale build (API {api() if api else 1}, this package binds {API_VERSION}): "
+                           "rebuild it with `pip install .` (or `make install`)")
     signatures = {
         "cg_format_version": ([], i32),
         "cg_lanes": ([], i32),
@@ -98,7 +104,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cg_decode_components": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i64, i32, p, p, p, i32], ctypes.c_int),
         "cg_decode_kv": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i32, i32, i64, i32, p, p, p, p, p, p, i32,
                           i64, i64, i64, i64, p, i32], ctypes.c_int),
-        "cg_encode_chunk": ([p, p, p, p, i32, i32, i64, i32, i64, p, p, *[ctypes.c_float] * 3, i32, p, p, p, i64, p, p, p, i32], ctypes.c_int),
+        "cg_encode_chunk": ([p, p, p, p, i32, i32, i64, i32, i64, p, p, *[ctypes.c_float] * 3, i32, p, p, p, p, i64, p, p, p, i32],
+                            ctypes.c_int),
         "cg_torch_sums": ([p, i64, i64, i32, p, p], ctypes.c_int),
     }
     for fn, (args, res) in signatures.items():

@@ -20,7 +20,7 @@ from ..ops.settings import engine_options, resolve_store
 from ..ops.settings import load as load_settings
 from ..stores.base import KVStore
 from .attention import use_gqa_attention
-from .profiles import resolve_profile, start_fitting
+from .profiles import measure_weights, resolve_profile, start_fitting
 
 E = TypeVar("E")
 
@@ -46,9 +46,10 @@ def from_pretrained(
     ``dtype``, ``device``, ``device_map`` and ``model_kwargs`` go to ``models.load_model`` (the
     CPU by default). ``profile="auto"`` uses the model's profile for this codec configuration from
     the user cache, the package or the store (``profiles.resolve_profile``); without one chunks carry
-    their own table classes, and (``auto_profile``) one is fitted in the background and published into
-    the store for the engines started after it (``profiles.ProfileFitter``; None: ``CACHEGEN_AUTO_PROFILE``,
-    default on). ``profile=None``: none.
+    their own table classes, and (``auto_profile``) the model's sensitivity is measured now (1.7 s for the
+    reference model on 2 CPU cores) to weight their steps, and a profile is fitted in the background and
+    published into the store for the engines started after it (``profiles.ProfileFitter``; None:
+    ``CACHEGEN_AUTO_PROFILE``, default on). ``profile=None``: none.
     ``CACHEGEN_*`` settings (``docs/configuration.md``) fill the arguments not given (or None);
     ``decode_limits=DecodeLimits(...)`` tightens what a stored blob may make the decoder allocate.
     """
@@ -73,6 +74,7 @@ def from_pretrained(
         profile = Profile.load(profile)
     engine = cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
     if auto and profile is None and (load_settings().auto_profile if auto_profile is None else auto_profile):
+        measure_weights(engine, name=name)
         engine.profile_fitter = start_fitting(engine, name=name)  # type: ignore[attr-defined]
     return engine
 

@@ -6,7 +6,9 @@ published in the store under the model fingerprint and codec id (``profile_key``
 Without one the engine codes without a profile (each blob carries its components' classes),
 and a ``ProfileFitter`` fits one in the background on the calibration text shipped with the
 package (``codec.fitting``), then publishes it into the store, first writer wins: it keeps what
-another process published first. Nothing changes under a running engine (its chunk keys bind
+another process published first. Meanwhile the engine's codec weights its steps by the model's
+sensitivity, measured once when the engine is built (``measure_weights``: one short Fisher draw,
+``codec.weights``): that changes what its blobs hold, not their keys or how they decode. Nothing changes under a running engine (its chunk keys bind
 "no profile"): the profile serves the engines started after it exists, in this process and in
 every other sharing the store, and the log says so. A signed store signs and checks it like
 every value; a profile read from a store is parsed as safetensors + JSON, never unpickled.
@@ -29,10 +31,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..codec.config import CodecConfig
-from ..codec.fitting import FitPlan, fit_profile
+from ..codec.fitting import FitPlan, fit_profile, fit_weights
 from ..codec.profile import Profile
 from ..codec.profiles import find_profile
 from ..codec.rotary import RotarySpec
+from ..codec.weights import check_weights
 from ..errors import CacheGenError, CacheGenFormatError, StoreError
 from ..stores.base import KVStore
 from .hf import kv_geometry
@@ -159,10 +162,26 @@ class ProfileFitter:
             self.done.set()
 
 
+def measure_weights(engine: Any, *, name: str = "MODEL") -> bool:
+    """Give ``engine``'s codec (without a profile) step weights measured on its model (``codec.fitting.fit_weights``:
+    one short Fisher draw, holding the model lock); False, logged, when they cannot be measured (plain steps then)."""
+    t0 = time.perf_counter()
+    try:
+        with engine._lock:
+            weights = fit_weights(engine.model, engine.tokenizer, config=engine.codec.config, rotary=RotarySpec.from_model(engine.model))
+        engine.codec.step_weights = check_weights(weights)
+    except (CacheGenError, RuntimeError, ValueError, OSError, IndexError) as e:
+        log.warning("could not measure the sensitivity of %s (%s): coding without a profile with plain steps", name, e)
+        return False
+    log.info("measured the sensitivity of %s in %.1f s: steps weighted by it until a profile is used", name, time.perf_counter() - t0)
+    return True
+
+
 def start_fitting(engine: Any, *, name: str = "MODEL") -> ProfileFitter:
     """Log that ``engine`` codes without a profile and start a ``ProfileFitter`` for it."""
-    log.warning("no codec profile for %s: coding without one (larger chunks) while one is fitted in the background "
-                "on the shipped calibration text (`cachegen profile --model %s` fits one on your own texts)", name, name)  # fmt: skip
+    how = "its steps weighted by the model's measured sensitivity" if engine.codec.step_weights is not None else "plain steps"
+    log.warning("no codec profile for %s: coding without one (%s; larger chunks) while one is fitted in the background "
+                "on the shipped calibration text (`cachegen profile --model %s` fits one on your own texts)", name, how, name)  # fmt: skip
     return ProfileFitter(engine, name=name)
 
 
