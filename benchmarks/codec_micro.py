@@ -24,7 +24,7 @@ from benchmarks.common import HELD_OUT, Rows, best_time, context_kv, load, parse
 
 def arguments() -> argparse.ArgumentParser:
     ap = parser(__doc__, quick_help="1 context of one chunk (< 2 minutes)")
-    ap.add_argument("--first", type=int, default=HELD_OUT, help="first transcript (0-9 fitted the profile and tuned the codec)")
+    ap.add_argument("--first", type=int, default=HELD_OUT, help="first transcript (0-9 fitted the shipped profile, 0-11 tuned the codec)")
     ap.add_argument("--contexts", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=4608, help="context tokens per transcript")
     ap.add_argument("--chunk-tokens", type=int, default=1536)

@@ -232,7 +232,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def arguments() -> argparse.ArgumentParser:
     ap = parser(__doc__, quick_help="2 contexts of 1536 tokens (< 3 minutes)")
-    ap.add_argument("--first", type=int, default=HELD_OUT, help="first record used (0-9 fitted the profile and tuned the codec)")
+    ap.add_argument("--first", type=int, default=HELD_OUT, help="first record used (0-9 fitted the shipped profile, 0-11 tuned the codec)")
     ap.add_argument("--last", type=int, default=25, help="one past the last record used")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1536, 4096, 7680])
     ap.add_argument("--chunk-tokens", type=int, default=1536)

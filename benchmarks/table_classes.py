@@ -19,14 +19,14 @@ import argparse
 import numpy as np
 import torch
 
-from benchmarks.common import Rows, context_kv, load, parser, read_jsonl, setup_threads
+from benchmarks.common import HELD_OUT, Rows, context_kv, load, parser, read_jsonl, setup_threads
 
 
 def arguments() -> argparse.ArgumentParser:
     ap = parser(__doc__, quick_help="fitted on transcripts 0-2, scored on 12-13, 1536 tokens each")
     ap.add_argument("--fit-first", type=int, default=0, help="first transcript the tables and classes are fitted on")
     ap.add_argument("--fit-last", type=int, default=10, help="one past the last one")
-    ap.add_argument("--first", type=int, default=12, help="first held-out transcript scored")
+    ap.add_argument("--first", type=int, default=HELD_OUT, help="first held-out transcript scored")
     ap.add_argument("--last", type=int, default=25, help="one past the last one")
     ap.add_argument("--context", type=int, default=4096, help="tokens of each transcript")
     ap.add_argument("--chunk-tokens", type=int, default=1536)

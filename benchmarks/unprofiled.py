@@ -1,19 +1,24 @@
-"""Coding without a profile: the identity against a randomized Hadamard rotation per head, and step scales.
+"""Coding without a profile: plain steps, steps weighted by the model's measured sensitivity, a Hadamard rotation.
 
-    python -m benchmarks.unprofiled [--quick] [--first 12 --last 25] [--context 4096] [--levels 1 2]
-        [--variants identity hadamard identity:s=3.0 hadamard:s=3.0] [--out F]
+    python -m benchmarks.unprofiled [--quick] [--first 12 --last 25] [--contexts 1536 4096 7680] [--levels 1 2]
+        [--variants identity weighted hadamard identity:s=3.0 weighted:s=4.0] [--out F]
 
 A codec with no profile codes each head's channels as they are (keys before the rotary
 embedding), with a step per layer (``CodecConfig.unprofiled_scale`` times the level's, in units
-of the layer's RMS). The data-free alternative measured here rotates every head's channels (keys
+of the layer's RMS): ``identity``. ``weighted`` is what an engine codes a model without a profile
+with (``engine.profiles.measure_weights``): the same, each component's step times its weight
+(``codec.weights``), measured by ``codec.fitting.fit_weights`` (one Fisher draw on the first 576
+tokens of the shipped calibration text; its time is reported) and ``CodecConfig.weighted_scale``
+times the level's. The data-free alternative ``hadamard`` rotates every head's channels (keys
 before the rotary embedding) by ``H diag(signs) / sqrt(dim)``, ``H`` the Sylvester Hadamard
 matrix and the signs drawn from a seed of the codec id, as QuaRot and TurboQuant do before
-scalar quantisation; then the same steps and per-chunk table classes. ``name:s=X`` sets
-``unprofiled_scale`` to X. Each context is the first ``--context`` tokens of a transcript, coded
-in chunks of 1536; the next 256 tokens are scored teacher-forced on the reconstruction against
-the fp16 KV (as ``quality_size``). The rotated variant runs the codec's torch path (the native
-one-pass paths know only the identity): the same arithmetic, slower. One JSON line per
-(variant, level). ``--quick``: 2 contexts of 1536 tokens.
+scalar quantisation; then the same steps and per-chunk table classes. ``name:s=X`` sets the
+variant's scale (``unprofiled_scale``, or ``weighted_scale`` for ``weighted``) to X. Each context
+is the first ``--contexts`` tokens of a transcript, coded in chunks of 1536; the next 256 tokens
+are scored teacher-forced on the reconstruction against the fp16 KV (as ``quality_size``). The
+rotated variant runs the codec's torch path (the native one-pass paths know only the identity):
+the same arithmetic, slower. One JSON line per (variant, level). ``--quick``: 2 contexts of 1536
+tokens.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import argparse
 import contextlib
 import hashlib
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from benchmarks.common import Rows, context_kv, load, parser, read_jsonl, setup_threads
+from benchmarks import baselines
+from benchmarks.common import HELD_OUT, Rows, context_kv, load, parser, read_jsonl, setup_threads
 from benchmarks.quality_size import score
 
 
@@ -60,18 +67,18 @@ def torch_paths() -> Iterator[None]:
 
 def arguments() -> argparse.ArgumentParser:
     ap = parser(__doc__, quick_help="2 contexts of 1536 tokens")
-    ap.add_argument("--first", type=int, default=12, help="first transcript (0-9 fitted the shipped profile)")
+    ap.add_argument("--first", type=int, default=HELD_OUT, help="first transcript (0-11 tuned the codec)")
     ap.add_argument("--last", type=int, default=25, help="one past the last one")
-    ap.add_argument("--context", type=int, default=4096, help="tokens of each context")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096], help="tokens of each context (one run per length)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--variants", nargs="+", default=["identity", "hadamard"], help="identity, hadamard, name:s=SCALE")
+    ap.add_argument("--variants", nargs="+", default=["identity", "weighted"], help="identity, weighted, hadamard, name:s=SCALE")
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
     args = arguments().parse_args(argv)
     if args.quick:
-        args.last, args.context = args.first + 2, 1536
+        args.last, args.contexts = args.first + 2, [1536]
     setup_threads()
     with Rows("unprofiled", args.out, argv) as out:
         run(args, out)
@@ -79,10 +86,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, out: Rows) -> None:
     from cachegen_core.codec.config import CodecConfig  # noqa: PLC0415
+    from cachegen_core.codec.fitting import fit_weights  # noqa: PLC0415
     from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
     from cachegen_core.codec.rotary import RotarySpec  # noqa: PLC0415
-    from cachegen_core.kv import KVCache  # noqa: PLC0415
-
     class Rotated(KVCodec):
         def _transform(self, layers: int, heads: int, dim: int) -> Any:
             seed = int.from_bytes(hashlib.blake2b(self.codec_id.encode(), digest_size=4).digest(), "little")
@@ -90,26 +96,43 @@ def run(args: argparse.Namespace, out: Rows) -> None:
 
     model, tok = load(args.model)
     rotary = RotarySpec.from_model(model)
-    codecs = {}
+    codecs, weights = {}, None
     for v in args.variants:
         name, _, opts = v.partition(":")
-        kw = {"unprofiled_scale": float(opts.removeprefix("s="))} if opts else {}
-        codecs[v] = ((Rotated if name == "hadamard" else KVCodec)(CodecConfig(**kw), rotary=rotary), name == "hadamard")
+        if name not in ("identity", "weighted", "hadamard"):
+            raise SystemExit(f"unknown variant {v!r}: identity, weighted or hadamard, each with an optional :s=SCALE")
+        kw = {("weighted_scale" if name == "weighted" else "unprofiled_scale"): float(opts.removeprefix("s="))} if opts else {}
+        if name == "weighted" and weights is None:
+            t0 = time.perf_counter()
+            weights = fit_weights(model, tok, config=CodecConfig(), rotary=rotary)
+            out.emit({"what": "fit_weights", "seconds": round(time.perf_counter() - t0, 2), "threads": torch.get_num_threads()})
+        codec = (Rotated if name == "hadamard" else KVCodec)(CodecConfig(**kw), rotary=rotary, weights=weights if name == "weighted" else None)
+        codecs[v] = (codec, name == "hadamard")
+    records = read_jsonl(args.data)[args.first : args.last]
+    for c in args.contexts:
+        measure(model, tok, records, c, codecs, args, out)
+
+
+def measure(model: Any, tok: Any, records: list[dict[str, Any]], context: int, codecs: dict[str, tuple[Any, bool]],
+            args: argparse.Namespace, out: Rows) -> None:  # fmt: skip
+    """Every variant at every level on the first ``context`` tokens of each record long enough: one row each."""
+    from cachegen_core.kv import KVCache  # noqa: PLC0415
+
     tally: dict[tuple[str, int], list[float]] = {}  # bytes, elements, nll, agree, count
     ref_nll = ref_count = 0.0
     contexts = 0
-    for r in read_jsonl(args.data)[args.first : args.last]:
+    for r in records:
         ids = tok(r["prompt"])["input_ids"]
-        if len(ids) < args.context + 256:
+        if len(ids) < context + 256:
             continue
-        ctx, cont = ids[: args.context], ids[args.context : args.context + 256]
+        ctx, cont = ids[:context], ids[context : context + 256]
         kv = context_kv(model, ctx)
-        nll, n, ref_top = score(model, kv, cont)
+        nll, n, ref_top = score(model, baselines.fp16(kv)[0], cont)  # the reference: the fp16 KV, as in quality_size
         ref_nll, ref_count, contexts = ref_nll + nll, ref_count + n, contexts + 1
         for v, (codec, rotated) in codecs.items():
             for lv in args.levels:
                 with torch_paths() if rotated else contextlib.nullcontext():
-                    blobs = [codec.encode(kv.slice(s, s + 1536), lv, start=s) for s in range(0, args.context, 1536)]
+                    blobs = [codec.encode(kv.slice(s, s + 1536), lv, start=s) for s in range(0, context, 1536)]
                     hat = KVCache.concat([codec.decode(b) for b in blobs])
                 nll, n, top = score(model, hat, cont)
                 t = tally.setdefault((v, lv), [0, 0, 0.0, 0, 0])
@@ -117,10 +140,9 @@ def run(args: argparse.Namespace, out: Rows) -> None:
                     t[i] += x
     ref_ppl = math.exp(ref_nll / max(ref_count, 1))
     for (v, lv), (nbytes, elements, nll, agree, count) in tally.items():
-        out.emit({"variant": v, "level": lv, "context_tokens": args.context, "n_contexts": contexts,
+        out.emit({"variant": v, "level": lv, "context_tokens": context, "n_contexts": contexts,
                   "transcripts": f"{args.first}-{args.last - 1}", "bits_per_element": round(8 * nbytes / elements, 4),
                   "ppl_rel_delta": round(math.exp(nll / count) / ref_ppl - 1, 6), "top1_agreement": round(agree / count, 5)})  # fmt: skip
-
 
 if __name__ == "__main__":
     main()
