@@ -84,7 +84,9 @@ def test_engine_from_pretrained_applies_the_environment(monkeypatch, tiny_llama,
     prompt = words(3, 150)
     first, _ = eng.generate(prompt, max_new_tokens=3)
     again, info = eng.generate(prompt, max_new_tokens=3)
-    assert info.cached_tokens == 128 and again == first and not info.errors
+    # reused at the stored levels; with an SLO a blind first chunk streams the medium one (lossy: a random tiny
+    # model's greedy answer may then differ, so the answers are not compared)
+    assert info.cached_tokens == 128 and not info.errors and info.levels and set(info.levels) <= {0, 1} and again
 
     own = MemoryStore()
     eng = KVEngine.from_pretrained(tiny_llama, tokenizer=tiny_tokenizer, profile=None, store=own, chunk_tokens=32)
