@@ -73,8 +73,11 @@ def read_jsonl(path: str | Path, field: str | None = None) -> list[Any]:
 
 
 def transcripts(path: str | Path, first: int = 0, count: int | None = None) -> list[str]:
-    """The texts (``prompt``) of records ``first``, ``first + 1``, ... (``count`` of them, or all)."""
+    """The texts (``prompt``) of records ``first``, ``first + 1``, ... (``count`` of them, or all); ``SystemExit``
+    saying so when there is none (a data file shorter than the held-out offset)."""
     texts = read_jsonl(path, "prompt")[first:]
+    if not texts:
+        raise SystemExit(f"{path} has no record from number {first} on (records 0-{HELD_OUT - 1} are held back for tuning)")
     return texts if count is None else texts[:count]
 
 

@@ -31,8 +31,8 @@ def test_a_shaped_model_has_the_shape_asked_random_weights_and_the_reference_tok
 
 
 def test_warm_path_rows_of_a_shaped_model_are_labelled_timing_only(tmp_path):
-    data = tmp_path / "t.jsonl"  # warm_path reads transcripts 10 on (held out)
-    data.write_text("".join(json.dumps({"prompt": words(200 + i, 700), "label": ["x"]}) + "\n" for i in range(12)))
+    data = tmp_path / "t.jsonl"  # warm_path reads transcripts 12 on (held out)
+    data.write_text("".join(json.dumps({"prompt": words(200 + i, 700), "label": ["x"]}) + "\n" for i in range(14)))
     out = tmp_path / "warm.jsonl"
     warm_path.main(["--model", SHAPE, "--data", str(data), "--contexts", "512", "--chunk-tokens", "256", "--stores", "memory",
                     "--transcripts", "1", "--reps", "1", "--miss-contexts", "0", "--out", str(out)])  # fmt: skip
