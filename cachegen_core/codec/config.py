@@ -34,10 +34,10 @@ class CodecConfig:
     ``table_classes``: how many frequency tables code every component (``classes.py``: discrete
     Gaussian laws at log-spaced scales; a profile or the blob names each component's).
     ``unprofiled_scale``: without a profile the step of a level above 0 is this many times its
-    step (in units of each layer's RMS), measured so that the default level costs ~4.25 bits per
-    element without a profile (3.5 with one) at about the same quality (``docs/results.md``);
-    ``weighted_scale``: the same factor when the codec has step weights (``weights.py``): chosen on the
-    tuning transcripts 0-11 for ~3.85 bits at 99.1-99.2 % top-1 (2026-11-27).
+    step (in units of each layer's RMS): level 1's is 0.2, measured so that the default level costs
+    ~4.25 bits per element without a profile at 99.0 % top-1 (``docs/results.md``);
+    ``weighted_scale``: the same factor when the codec has step weights (``weights.py``): level 1's is
+    0.27, chosen on the tuning transcripts 0-11 for ~3.85 bits at 99.1-99.2 % top-1 (2026-11-27).
     """
 
     levels: tuple[float, ...] = field(default=DEFAULT_LEVELS)
@@ -47,8 +47,8 @@ class CodecConfig:
     stream_symbols: int = 1 << 17
     transform: str = "fisher-klt"
     fisher_eps: float = 1.0
-    unprofiled_scale: float = 2.67
-    weighted_scale: float = 3.6
+    unprofiled_scale: float = 2.356
+    weighted_scale: float = 3.176
     table_classes: int = DEFAULT_CLASSES
 
     def __post_init__(self) -> None:
