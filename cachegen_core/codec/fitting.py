@@ -126,7 +126,7 @@ def fit_weights(
 ) -> torch.Tensor:
     """Step weights for coding ``model`` without a profile (``weights.py``), from one Fisher draw: the KV of the
     first ``context`` tokens of ``text`` (default: the first shipped calibration text), the next ``continuation``
-    tokens scored on it. A forward and a backward pass over ``context + continuation`` tokens: 1.7 s for the
+    tokens scored on it. A forward and a backward pass over ``context + continuation`` tokens: about 2 s for the
     reference model on 2 CPU cores. ``ValueError`` when the text is too short to score anything."""
     config = config or CodecConfig()
     text = calibration_texts()[0] if text is None else text
