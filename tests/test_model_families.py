@@ -194,3 +194,24 @@ def test_the_in_place_sliding_layer_reads_as_transformers_own():
         k_ref, v_ref = theirs.update(new, new.clone())
         assert torch.equal(k, k_ref) and torch.equal(v, v_ref)  # the same tensors, sliced differently
     assert torch.equal(mine.keys, torch.cat(steps, dim=-2)) and mine._kbuf is None  # 28 tokens: past the buffer's 20
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_step_weights_are_measured_and_coded_with_on_every_family(name, tok):
+    """What an engine without a profile measures at load (``fitting.fit_weights``): one Fisher draw, whatever the
+    family's attention, rotary or sliding window; a level-1 request then reuses chunks coded with the weights."""
+    from cachegen_core.codec.fitting import fit_weights  # noqa: PLC0415
+    from cachegen_core.codec.rotary import RotarySpec  # noqa: PLC0415
+    from cachegen_core.codec.weights import check_weights  # noqa: PLC0415
+
+    model = _model(name)
+    w = fit_weights(model, tok, words(16, 300), rotary=RotarySpec.from_model(model), context=96, continuation=16)
+    kv = _reference_kv(model, _ids(tok, words(16, 40)))
+    assert w.shape == (2, kv.num_layers, kv.num_kv_heads, kv.head_dim)
+    assert torch.isfinite(w).all() and not torch.equal(w, torch.ones_like(w))
+    engine = _engine(name, tok, level=1, store_options=[1], allow_text=False)
+    engine.codec.step_weights = check_weights(w)
+    prompt = words(17, 106)
+    engine.generate(prompt, max_new_tokens=2)
+    _, info = engine.generate(f"{prompt} {words(18, 12)}", max_new_tokens=4)
+    assert info.cached_tokens >= 96 and set(info.levels) == {1} and not info.errors
