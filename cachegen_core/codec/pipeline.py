@@ -118,7 +118,8 @@ def synthesise_parts(
     dev = comps.device
     out = []
     for kind in range(2):
-        body = transform.synthesise(comps[kind], kind) + mean[kind].to(dev)[:, :, None, :]
+        body, m = transform.synthesise(comps[kind], kind), mean[kind].to(dev)[:, :, None, :]
+        body = body + m if transform.identity else body.add_(m)  # in place on the matmul's own output
         ex = exact_part(exact, kind, start=start, encoded_start=encoded_start, rotary=rotary).to(dev)
         if kind == 0 and rotary is not None:
             body = rotary.rotate(body, start + ex.shape[2])
