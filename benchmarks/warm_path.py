@@ -218,7 +218,7 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="the model's dtype (default: as saved; bfloat16 for a shaped model)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[3072, 7680], help="context tokens (multiples of the chunk)")
-    ap.add_argument("--transcripts", type=int, default=2, help="held-out transcripts (10, 11, ...) per context length")
+    ap.add_argument("--transcripts", type=int, default=2, help=f"held-out transcripts ({HELD_OUT}, {HELD_OUT + 1}, ...) per context length")
     ap.add_argument("--stores", nargs="+", default=DEFAULT_STORES, choices=["memory", "disk", "redis", *LINKS])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
