@@ -384,12 +384,12 @@ def test_rotary_spec_matches_transformers(tiny_llama):
 def test_rotate_is_transformers_formula_bit_for_bit_with_and_without_grad(tiny_llama):
     """``rotate`` computes half by half into one buffer (the decoder's hot path): the same float32 operations
     as transformers' ``x * cos + rotate_half(x) * sin``, so the native and GPU decoders stay bit-exact with it."""
-    from cachegen_core.codec.rotary import RotarySpec, _rotate_half
+    from cachegen_core.codec.rotary import RotarySpec, rotate_half
 
     spec = RotarySpec.from_model(tiny_llama)
     x = torch.randn(2, 3, 50, spec.head_dim) * 30
     cos, sin = spec.cos_sin(1234, 50)
-    assert torch.equal(spec.rotate(x, 1234), x * cos + _rotate_half(x) * sin)
+    assert torch.equal(spec.rotate(x, 1234), x * cos + rotate_half(x) * sin)
     g = x.clone().requires_grad_(True)
     spec.rotate(g, 1234).square().sum().backward()  # the Fisher's backward pass goes through it
     assert torch.isfinite(g.grad).all() and g.grad.abs().sum() > 0

@@ -70,13 +70,13 @@ class RotarySpec:
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Keys ``(..., tokens, head_dim)`` before RoPE -> after, at positions from ``start`` (float32)."""
         cos, sin = self.cos_sin(start, x.shape[-2], x.device)
-        return _rotate(x.float(), cos, sin)
+        return apply_rotary(x.float(), cos, sin)
 
     def unrotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Inverse of ``rotate`` (float32): keys as they were before RoPE."""
         cos, sin = self.cos_sin(start, x.shape[-2], x.device)
         x = x.float()
-        return (x * cos - _rotate_half(x) * sin) / (self.attention_scaling**2)
+        return (x * cos - rotate_half(x) * sin) / (self.attention_scaling**2)
 
     def to_dict(self) -> dict[str, Any]:
         return {"inv_freq": list(self.inv_freq), "attention_scaling": self.attention_scaling}
@@ -122,16 +122,18 @@ class RotarySpec:
         return spec
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(x1, x2) -> (-x2, x1)`` over the last dim's halves: the rotate-half RoPE layout transformers uses."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + _rotate_half(x) * sin``, the same float32 operations half by half (``cos_sin``'s halves are
-    equal): two of the four temporaries a chunk's keys need that way, 2.4x faster on the reference model's."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` (cos and sin with equal halves, as every rotate-half RoPE
+    builds them, in ``x``'s dtype), the same operations half by half into one buffer: two of the four temporaries,
+    2.4x faster on a chunk of the reference model's keys; bit for bit the same result."""
     if x.requires_grad:  # the Fisher's backward pass (``out=`` is not differentiable)
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + rotate_half(x) * sin
     half = x.shape[-1] // 2
     c, s = cos[..., :half], sin[..., :half]
     x1, x2 = x[..., :half], x[..., half:]

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..codec.rotary import apply_rotary
 from ..kv import KVCache
 from .rope import Rope, rope_of
 
@@ -200,8 +201,8 @@ def question_attention(model: Any, ids: Sequence[int], buffer: KVCache, start: i
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q = _rope(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
-        k = torch.cat([buffer.keys[li][:, :end], _rope(_heads(attn.k_proj(x), attn.head_dim), cos, sin).to(buffer.keys.dtype)], 1)
+        q = apply_rotary(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
+        k = torch.cat([buffer.keys[li][:, :end], apply_rotary(_heads(attn.k_proj(x), attn.head_dim), cos, sin).to(buffer.keys.dtype)], 1)
         v = torch.cat([buffer.values[li][:, :end], _heads(attn.v_proj(x), attn.head_dim).to(buffer.values.dtype)], 1)
         q = q.reshape(k.shape[0], -1, attn.head_dim).to(k.dtype)  # a KV head's query heads side by side: no key copied
         logits = (q @ k.transpose(1, 2)).float() * attn.scaling
@@ -234,11 +235,6 @@ def blend_support(model: Any) -> Rope | str:
     return rope_of(model)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _select(k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, forced: torch.Tensor, n_pick: int,
             scores: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The forced tokens and the ``n_pick`` others scoring highest (``scores``, else how much their fresh K and V
@@ -254,10 +250,6 @@ def _select(k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor, old_v: torch.
     dev[forced] = -math.inf
     top = torch.topk(dev, n_pick).indices if n_pick else forced[:0]
     return torch.cat([forced, top]).sort().values
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
 
 
 def _heads(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -340,7 +332,7 @@ def blend(
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        k = _rope(_heads(attn.k_proj(x), attn.head_dim), cos, sin)
+        k = apply_rotary(_heads(attn.k_proj(x), attn.head_dim), cos, sin)
         v = _heads(attn.v_proj(x), attn.head_dim)
         kbuf, vbuf = buffer.keys[li], buffer.values[li]  # (kv_heads, capacity, dim)
         if li < check_layer:  # every token is a query; only the forced tokens write theirs
@@ -353,7 +345,7 @@ def blend(
                 masks = _masks(positions[rows], end, query_block)
             kbuf[:, start + rows] = k.to(kbuf.dtype)
             vbuf[:, start + rows] = v.to(vbuf.dtype)
-        q = _rope(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
+        q = apply_rotary(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
         o = _attend(q, kbuf[:, :end], vbuf[:, :end], masks, attn)
         h = h + attn.o_proj(o.to(h.dtype))
         h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..codec.rotary import apply_rotary
+
 #: RoPE types with frequencies fixed at load time (shifting post-RoPE keys composes exactly).
 FIXED_FREQUENCY_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
@@ -46,11 +48,6 @@ def rope_of(model: Any) -> Rope | str:
     return Rope(rotary.inv_freq.detach().to(device="cpu", dtype=torch.float64).clone())
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def shift_keys(keys: torch.Tensor, delta: int, rope: Rope) -> None:
     """Move post-RoPE ``keys`` (``(..., tokens, head_dim)``) by ``delta`` positions, in place.
 
@@ -66,4 +63,4 @@ def shift_keys(keys: torch.Tensor, delta: int, rope: Rope) -> None:
     cos = angle.cos().to(device=keys.device, dtype=work)
     sin = angle.sin().to(device=keys.device, dtype=work)
     x = keys.to(work)
-    keys.copy_(x * cos + _rotate_half(x) * sin)
+    keys.copy_(apply_rotary(x, cos, sin))
