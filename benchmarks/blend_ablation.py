@@ -154,7 +154,8 @@ def query_importance(model: Any, ids: list[int], buffer: Any, start: int, end: i
                      layers: tuple[int, int] = (0, 0)) -> torch.Tensor:  # fmt: skip
     """Attention the prompt's tokens after ``end`` (the question) pay to each token of ``[start, end)``, summed over
     layers, heads and question tokens, with the buffer's KV (the concatenated caches) before ``end``."""
-    from cachegen_core.engine.blend import _heads, _rope  # noqa: PLC0415
+    from cachegen_core.codec.rotary import apply_rotary  # noqa: PLC0415
+    from cachegen_core.engine.blend import _heads  # noqa: PLC0415
 
     inner = model.model
     nq = len(ids) - end
@@ -166,8 +167,8 @@ def query_importance(model: Any, ids: list[int], buffer: Any, start: int, end: i
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q = _rope(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
-        k = torch.cat([buffer.keys[li][:, :end], _rope(_heads(attn.k_proj(x), attn.head_dim), cos, sin)], 1)
+        q = apply_rotary(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
+        k = torch.cat([buffer.keys[li][:, :end], apply_rotary(_heads(attn.k_proj(x), attn.head_dim), cos, sin)], 1)
         v = torch.cat([buffer.values[li][:, :end], _heads(attn.v_proj(x), attn.head_dim)], 1)
         k, v = k.repeat_interleave(attn.num_key_value_groups, 0), v.repeat_interleave(attn.num_key_value_groups, 0)
         scores = q @ k.transpose(1, 2) * attn.scaling
@@ -191,7 +192,8 @@ def query_importance(model: Any, ids: list[int], buffer: Any, start: int, end: i
 def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int, cached: torch.Tensor,
                   docs: list[tuple[int, int]], spec: Variant) -> tuple[int, int]:  # fmt: skip
     """``blend.blend`` with the variant's knobs; returns (cached tokens recomputed, layer-token pairs computed)."""
-    from cachegen_core.engine.blend import _attend, _heads, _masks, _rope  # noqa: PLC0415
+    from cachegen_core.codec.rotary import apply_rotary  # noqa: PLC0415
+    from cachegen_core.engine.blend import _attend, _heads, _masks  # noqa: PLC0415
 
     n = end - start
     must = ~cached.clone()
@@ -218,7 +220,7 @@ def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int,
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        k = _rope(_heads(attn.k_proj(x), attn.head_dim), cos, sin)
+        k = apply_rotary(_heads(attn.k_proj(x), attn.head_dim), cos, sin)
         v = _heads(attn.v_proj(x), attn.head_dim)
         kbuf, vbuf = buffer.keys[li], buffer.values[li]
         if li < check:
@@ -250,7 +252,7 @@ def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int,
         pairs += int(rows.numel())
         if not rows.numel():  # nothing selected (concatenation): no later layer computes anything
             break
-        q = _rope(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
+        q = apply_rotary(_heads(attn.q_proj(x), attn.head_dim), cos, sin)
         o = _attend(q, kbuf[:, :end], vbuf[:, :end], masks, attn)
         h = h + attn.o_proj(o.to(h.dtype))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
