@@ -42,6 +42,8 @@ import torch
 
 from benchmarks.common import Rows, load, parser, transcripts
 from benchmarks.rag_reuse import INSTRUCTION, SEPARATOR, add_prompt_options, build, document_pool, score
+from cachegen_core.codec.rotary import apply_rotary
+from cachegen_core.engine.blend import _attend, _heads, _masks
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,6 @@ def query_importance(model: Any, ids: list[int], buffer: Any, start: int, end: i
                      layers: tuple[int, int] = (0, 0)) -> torch.Tensor:  # fmt: skip
     """Attention the prompt's tokens after ``end`` (the question) pay to each token of ``[start, end)``, summed over
     layers, heads and question tokens, with the buffer's KV (the concatenated caches) before ``end``."""
-    from cachegen_core.codec.rotary import apply_rotary  # noqa: PLC0415
-    from cachegen_core.engine.blend import _heads  # noqa: PLC0415
 
     inner = model.model
     nq = len(ids) - end
@@ -192,8 +192,6 @@ def query_importance(model: Any, ids: list[int], buffer: Any, start: int, end: i
 def blend_variant(model: Any, ids: list[int], buffer: Any, start: int, end: int, cached: torch.Tensor,
                   docs: list[tuple[int, int]], spec: Variant) -> tuple[int, int]:  # fmt: skip
     """``blend.blend`` with the variant's knobs; returns (cached tokens recomputed, layer-token pairs computed)."""
-    from cachegen_core.codec.rotary import apply_rotary  # noqa: PLC0415
-    from cachegen_core.engine.blend import _attend, _heads, _masks  # noqa: PLC0415
 
     n = end - start
     must = ~cached.clone()
