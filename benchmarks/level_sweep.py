@@ -59,7 +59,7 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
     records = read_jsonl(args.data)
     ids = [tok(r["prompt"])["input_ids"][: args.train_tokens] for r in records[args.train_first : args.train_last]]
     stats = kv_statistics(model, ids, rotary=rotary, contexts=(1536, 4096))
-    transform = fit_transform(stats.covariance, stats.fisher, config.fisher_eps, config.fisher_power)
+    transform = fit_transform(stats.covariance, stats.fisher, config.fisher_eps)
     train = (context_kv(model, x) for x in ids)
     codec = KVCodec(config, Profile.fit(config, train, transform=transform, rotary=rotary))
     tally = {lv: [0, 0, 0.0, 0.0, 0, 0] for lv in range(config.n_levels)}  # bytes, elements, nll, ref nll, agree, count

@@ -482,31 +482,3 @@ def test_fitted_transform_round_trip_and_profile_file(tiny_llama, tmp_path):
     assert (buf.keys[:, :, :64] == 0).all() and (buf.keys[:, :, 160:] == 0).all()
     with pytest.raises(ValueError, match="rotary"):
         KVCodec(cfg, loaded, rotary=RotarySpec((1.0,) * (spec.head_dim // 2)))
-
-
-def test_each_component_step_follows_its_fisher_weight_to_the_configured_power():
-    """``fisher_power`` rescales the Fisher-weighted KLT's components only: the same directions and an exact inverse,
-    and each component's Fisher weight ``(B^T F B)_ii`` (the KL its error costs) flattened from ``w`` to ``w^(1 - 2p)``."""
-    from cachegen_core.codec.transform import fit_transform
-
-    g = torch.Generator().manual_seed(7)
-    a = torch.randn(2, 3, 2, 8, 8, generator=g, dtype=torch.float64)
-    cov = a @ a.transpose(-1, -2) + 0.1 * torch.eye(8, dtype=torch.float64)
-    b = torch.randn(2, 3, 2, 8, 8, generator=g, dtype=torch.float64) * torch.logspace(-2, 0, 8, dtype=torch.float64)
-    fisher = b @ b.transpose(-1, -2)
-    plain, scaled = fit_transform(cov, fisher, 1.0), fit_transform(cov, fisher, 1.0, 0.25)
-    eye = torch.eye(8).expand_as(plain.analysis)
-    assert torch.allclose(scaled.synthesis @ scaled.analysis, eye, atol=1e-4)
-    ratio = scaled.analysis / plain.analysis  # every row of A divided by its component's m
-    assert torch.allclose(ratio, ratio[..., :1].expand_as(ratio), rtol=1e-3)
-    assert torch.allclose(scaled.spread * ratio[..., 0].reciprocal(), plain.spread, rtol=1e-3)
-
-    def log_weights(t):
-        return (t.synthesis.double().transpose(-1, -2) @ fisher @ t.synthesis.double()).diagonal(dim1=-2, dim2=-1).log()
-
-    w0, w1 = log_weights(plain), log_weights(scaled)
-    assert w0.std() > 1.0  # the regularised transform leaves the weights unequal: something to flatten
-    assert torch.allclose(w1 - w1.mean(), 0.5 * (w0 - w0.mean()), atol=1e-3)
-    assert torch.equal(fit_transform(cov, None, 1.0, 0.25).analysis, fit_transform(cov, None, 1.0).analysis)  # PCA: no Fisher, no rescale
-    with pytest.raises(ValueError, match="fisher_power"):
-        CodecConfig(fisher_power=0.7)

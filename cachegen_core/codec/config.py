@@ -13,9 +13,8 @@ from .classes import DEFAULT_CLASSES, digest
 #: units of the RMS of the Fisher-weighted components (``transform.py``), the same for every
 #: component of every layer; without one, in units of the RMS of each layer's channels.
 #: Chosen on SmolLM2-135M (``docs/results.md``, "Codec v2"; level 1 moved from 0.075 to 0.085 with
-#: codec v3's fixed tables: 3.46 bits at 99.4 % top-1 on the tuning transcripts; level 2 from 0.16 to
-#: 0.125, ~3 bits at ~99 % top-1 once each component's step follows its Fisher weight, 2026-11-27).
-DEFAULT_LEVELS: tuple[float, ...] = (0.03, 0.085, 0.125, 0.34)
+#: codec v3's fixed tables: 3.46 bits at 99.4 % top-1 on the tuning transcripts, 2026-11-27).
+DEFAULT_LEVELS: tuple[float, ...] = (0.03, 0.085, 0.16, 0.34)
 TRANSFORMS = ("fisher-klt", "pca", "none")
 
 
@@ -29,10 +28,9 @@ class CodecConfig:
     in the chunk (0: no cap). ``stream_symbols``: symbols per substream, at least (whole
     tokens; fewer only when the chunk is smaller); a substream's rANS flush costs ~48 bytes,
     so 2^17 symbols keep it under 0.3 % down to one bit per element.
-    ``transform``, ``fisher_eps`` and ``fisher_power``: how a profile fits the per-head transform
+    ``transform`` and ``fisher_eps``: how a profile fits the per-head transform
     (``transform.py``): ``"fisher-klt"`` (decorrelating, weighted by the model's Fisher,
-    regularised by ``fisher_eps``, each component's step then following its own Fisher weight
-    to the power ``fisher_power``), ``"pca"`` (decorrelating, unweighted) or ``"none"``.
+    regularised by ``fisher_eps``), ``"pca"`` (decorrelating, unweighted) or ``"none"``.
     ``table_classes``: how many frequency tables code every component (``classes.py``: discrete
     Gaussian laws at log-spaced scales; a profile or the blob names each component's).
     ``unprofiled_scale``: without a profile the step of a level above 0 is this many times its
@@ -49,7 +47,6 @@ class CodecConfig:
     stream_symbols: int = 1 << 17
     transform: str = "fisher-klt"
     fisher_eps: float = 1.0
-    fisher_power: float = 0.25
     unprofiled_scale: float = 2.356
     weighted_scale: float = 3.176
     table_classes: int = DEFAULT_CLASSES
@@ -74,8 +71,6 @@ class CodecConfig:
             raise ValueError(f"transform must be one of {TRANSFORMS}")
         if not self.fisher_eps > 0:
             raise ValueError("fisher_eps must be > 0")
-        if not 0 <= self.fisher_power <= 0.5:
-            raise ValueError("fisher_power must be in [0, 0.5]")
         if not 2 <= self.table_classes <= 256:
             raise ValueError("table_classes must be in [2, 256]")
 

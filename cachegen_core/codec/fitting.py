@@ -106,7 +106,7 @@ def fit_profile(
     transform = None
     if stats is not None:
         fisher = stats.fisher if config.transform == "fisher-klt" and stats.fisher_tokens else None
-        transform = fit_transform(stats.covariance, fisher, config.fisher_eps, config.fisher_power)
+        transform = fit_transform(stats.covariance, fisher, config.fisher_eps)
     about = {"source": source, "texts": len(ids), "tokens": sum(min(len(x), plan.tokens) for x in ids),
              "fisher_draws": len(stats.contexts) if stats else 0}  # fmt: skip
     return Profile.fit(config, caches, transform=transform, rotary=rotary, chunk_tokens=plan.chunk_tokens,

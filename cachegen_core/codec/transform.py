@@ -9,20 +9,11 @@ channels about the chunk mean, the components ``c = A (x - mean)`` with
     A = U^T Lc^T / g,   B = A^-1 = Lc^-T U g    (g: one global scale, see below)
 
 are uncorrelated (variances ``lambda / g^2``) and each costs the same KL per unit of
-squared error under the regularised Fisher. One uniform step for every component of every
-layer is then the rate-distortion optimum of this quadratic model (reverse water-filling:
-components whose spread is below the step get no bits at all). ``g`` is the RMS of all
-components, so a step is in units of the weighted signal's RMS. Without a Fisher
-(``fisher=None``) the same construction with ``F = I`` is a plain per-head PCA.
-
-The regularisation that keeps the eigenvectors stable (``eps = 1``) also flattens the weights:
-a component along a direction the model barely reads is coded as finely as the others. So each
-component is then rescaled by its own Fisher weight ``w_i = (B^T F B)_ii`` under the unregularised
-Fisher: ``c_i / m_i`` with ``m_i ~ w_i^-power`` (geometric mean 1, within ``weights.SPREAD``
-either way), which gives it a step ``m_i`` times the common one. ``power = 1/2`` would trust the
-Fisher fully (equal KL per unit of error); measured on the reference model (tuning transcripts,
-``docs/results.md``), 1/4 cut the KL at equal bits by 12 % and 1/2 raised it: one Fisher estimate
-per transcript is too noisy to follow all the way.
+squared error. One uniform step for every component of every layer is then the
+rate-distortion optimum of this quadratic model (reverse water-filling: components whose
+spread is below the step get no bits at all). ``g`` is the RMS of all components, so a
+step is in units of the weighted signal's RMS. Without a Fisher (``fisher=None``) the
+same construction with ``F = I`` is a plain per-head PCA.
 
 Decoding applies ``B``: 64 multiply-adds per element for 64-dim heads. A profile stores ``B``
 in 16 bits (``to_half``): float16 scaled per matrix, ``A`` its exact inverse (``from_half``).
@@ -35,8 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from .weights import SPREAD
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,9 +64,8 @@ class Transform:
         return torch.matmul(c, self.synthesis[kind].to(c.device).transpose(-1, -2))
 
 
-def fit_transform(covariance: torch.Tensor, fisher: torch.Tensor | None = None, eps: float = 0.01, power: float = 0.0) -> Transform:
-    """The transform of the module docstring from ``covariance`` and ``fisher``, both ``(2, layers, heads, dim, dim)``;
-    ``power``: how far each component's step follows its own Fisher weight (0: not at all)."""
+def fit_transform(covariance: torch.Tensor, fisher: torch.Tensor | None = None, eps: float = 0.01) -> Transform:
+    """The transform of the module docstring from ``covariance`` and ``fisher``, both ``(2, layers, heads, dim, dim)``."""
     cov = covariance.double()
     dim = cov.shape[-1]
     eye = torch.eye(dim, dtype=torch.float64)
@@ -94,24 +82,7 @@ def fit_transform(covariance: torch.Tensor, fisher: torch.Tensor | None = None, 
     g = lam.mean().sqrt().clamp_min(1e-30)
     analysis = u.transpose(-1, -2) @ chol.transpose(-1, -2) / g
     synthesis = torch.linalg.solve(chol.transpose(-1, -2), u) * g
-    spread = lam.sqrt() / g
-    if fisher is not None and power > 0:
-        m = component_scales(synthesis, f, power)
-        analysis, synthesis, spread = analysis / m[..., :, None], synthesis * m[..., None, :], spread / m
-    return Transform(analysis.float().contiguous(), synthesis.float().contiguous(), spread.float().contiguous())
-
-
-def component_scales(synthesis: torch.Tensor, fisher: torch.Tensor, power: float) -> torch.Tensor:
-    """``m_i`` of the module docstring, float64 ``(2, layers, heads, dim)``: each component's Fisher weight
-    ``(B^T F B)_ii`` to the ``-power``, geometric mean 1 over the components the Fisher saw (the others 1),
-    kept within ``weights.SPREAD`` of it."""
-    w = (synthesis.transpose(-1, -2) @ fisher @ synthesis).diagonal(dim1=-2, dim2=-1)
-    seen = w > 0
-    if not seen.any():
-        return torch.ones_like(w)
-    log_m = torch.where(seen, -power * w.clamp_min(1e-300).log(), 0.0)
-    log_m = torch.where(seen, log_m - log_m[seen].mean(), 0.0)
-    return log_m.exp().clamp(1 / SPREAD, SPREAD)
+    return Transform(analysis.float().contiguous(), synthesis.float().contiguous(), (lam.sqrt() / g).float().contiguous())
 
 
 @functools.lru_cache(maxsize=4)
