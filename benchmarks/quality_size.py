@@ -6,7 +6,8 @@ Each context is the first C tokens of a transcript; its KV is built once with th
 model, passed through a method, and the next 256 tokens are scored teacher-forced on
 the reconstructed KV. One JSON line per (method, level, context length): bits per
 element (everything stored), size ratio vs fp16, perplexity, its relative change vs
-fp16, top-1 agreement with fp16, and LongChat task accuracy (the transcript's question
+fp16, top-1 agreement with fp16, the mean KL of the next-token distributions from fp16's
+(millinats per token), and LongChat task accuracy (the transcript's question
 asked on top of the reconstructed KV; does the answer name the first topic?).
 
 Baselines (``baselines.py``): ``uniform8`` / ``uniform4`` quantise keys per channel (groups of
@@ -48,6 +49,7 @@ class Tally:
     bytes: int = 0
     elements: int = 0
     nll: float = 0.0
+    kl: float = 0.0
     count: int = 0
     agree: int = 0
     correct: int = 0
@@ -58,14 +60,27 @@ class Tally:
 
 
 @torch.no_grad()
-def score(model: Any, kv: KVCache, continuation: list[int]) -> tuple[float, int, torch.Tensor]:
-    """Teacher-forced NLL (sum) of ``continuation[1:]`` on top of ``kv``, the count, and the argmax predictions."""
+def score_logp(model: Any, kv: KVCache, continuation: list[int]) -> tuple[float, int, torch.Tensor, torch.Tensor]:
+    """Teacher-forced NLL (sum) of ``continuation[1:]`` on top of ``kv``, the count, the argmax predictions and
+    the next-token log-probabilities (float32, ``(count, vocab)``, on the model's device)."""
     dtype = next(model.parameters()).dtype
     past = kv.to(device=model.device, dtype=dtype).to_dynamic_cache(model.config)
     logits = model(torch.tensor([continuation], device=model.device), **cache_arg(model, past)).logits[0, :-1].float()
+    logp = logits.log_softmax(-1)
     target = torch.tensor(continuation[1:], device=model.device)
-    nll = torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
-    return nll, len(continuation) - 1, logits.argmax(-1).cpu()
+    nll = -logp.gather(1, target[:, None]).sum().item()
+    return nll, len(continuation) - 1, logits.argmax(-1).cpu(), logp
+
+
+def score(model: Any, kv: KVCache, continuation: list[int]) -> tuple[float, int, torch.Tensor]:
+    """``score_logp`` without the log-probabilities."""
+    return score_logp(model, kv, continuation)[:3]
+
+
+def kl_sum(ref_logp: torch.Tensor, logp: torch.Tensor) -> float:
+    """Sum over positions of KL(reference || method) of the next-token distributions, in nats: how far a lossy KV
+    moves the whole distribution, a far less noisy measure than top-1 agreement on a few thousand tokens."""
+    return (ref_logp.exp() * (ref_logp - logp)).sum().item()
 
 
 @torch.no_grad()
@@ -152,18 +167,19 @@ def evaluate(
             continue
         ctx, cont = ids[:context_tokens], ids[context_tokens : context_tokens + continuation_tokens]
         kv = context_kv(model, ctx)
-        ref_nll = ref_top = None
+        ref_top = ref_logp = None
         for key, method in ms.items():
             t = tallies.setdefault(key, Tally())
             t0 = time.perf_counter()
             kv_hat, size = method(kv)
             t.seconds += time.perf_counter() - t0
-            nll, n, top = score(model, kv_hat, cont)
+            nll, n, top, logp = score_logp(model, kv_hat, cont)
             if ref_top is None:  # fp16 comes first: the reference
-                ref_nll, ref_top = nll, top
+                ref_top, ref_logp = top, logp
             t.bytes += size
             t.elements += kv.num_elements
             t.nll += nll
+            t.kl += kl_sum(ref_logp, logp)
             t.count += n
             t.agree += int((top == ref_top).sum())
             t.contexts += 1
@@ -194,6 +210,7 @@ def summarise(tallies: dict[tuple[str, int | None], Tally], context_tokens: int)
                 "ppl": round(ppl, 4),
                 "ppl_rel_delta": round(ppl / ref_ppl - 1, 6),
                 "top1_agreement": round(t.agree / t.count, 5),
+                "kl_mnat_per_token": round(1000 * t.kl / t.count, 4),
                 "task_accuracy": round(t.correct / t.asked, 4) if t.asked else None,
                 "fp16_task_accuracy": round(ref.correct / ref.asked, 4) if ref.asked else None,
                 "seconds_per_context": round(t.seconds / max(t.contexts, 1), 3),

@@ -35,7 +35,7 @@ import torch
 
 from benchmarks import baselines
 from benchmarks.common import HELD_OUT, Rows, context_kv, load, parser, read_jsonl, setup_threads
-from benchmarks.quality_size import score
+from benchmarks.quality_size import kl_sum, score_logp
 
 
 def hadamard(layers: int, heads: int, dim: int, seed: int) -> Any:
@@ -118,7 +118,7 @@ def measure(model: Any, tok: Any, records: list[dict[str, Any]], context: int, c
     """Every variant at every level on the first ``context`` tokens of each record long enough: one row each."""
     from cachegen_core.kv import KVCache  # noqa: PLC0415
 
-    tally: dict[tuple[str, int], list[float]] = {}  # bytes, elements, nll, agree, count
+    tally: dict[tuple[str, int], list[float]] = {}  # bytes, elements, nll, agree, count, kl
     ref_nll = ref_count = 0.0
     contexts = 0
     for r in records:
@@ -127,22 +127,23 @@ def measure(model: Any, tok: Any, records: list[dict[str, Any]], context: int, c
             continue
         ctx, cont = ids[:context], ids[context : context + 256]
         kv = context_kv(model, ctx)
-        nll, n, ref_top = score(model, baselines.fp16(kv)[0], cont)  # the reference: the fp16 KV, as in quality_size
+        nll, n, ref_top, ref_logp = score_logp(model, baselines.fp16(kv)[0], cont)  # the reference: the fp16 KV, as in quality_size
         ref_nll, ref_count, contexts = ref_nll + nll, ref_count + n, contexts + 1
         for v, (codec, rotated) in codecs.items():
             for lv in args.levels:
                 with torch_paths() if rotated else contextlib.nullcontext():
                     blobs = [codec.encode(kv.slice(s, s + 1536), lv, start=s) for s in range(0, context, 1536)]
                     hat = KVCache.concat([codec.decode(b) for b in blobs])
-                nll, n, top = score(model, hat, cont)
-                t = tally.setdefault((v, lv), [0, 0, 0.0, 0, 0])
-                for i, x in enumerate((sum(map(len, blobs)), kv.num_elements, nll, int((top == ref_top).sum()), n)):
+                nll, n, top, logp = score_logp(model, hat, cont)
+                t = tally.setdefault((v, lv), [0, 0, 0.0, 0, 0, 0.0])
+                for i, x in enumerate((sum(map(len, blobs)), kv.num_elements, nll, int((top == ref_top).sum()), n, kl_sum(ref_logp, logp))):
                     t[i] += x
     ref_ppl = math.exp(ref_nll / max(ref_count, 1))
-    for (v, lv), (nbytes, elements, nll, agree, count) in tally.items():
+    for (v, lv), (nbytes, elements, nll, agree, count, kl) in tally.items():
         out.emit({"variant": v, "level": lv, "context_tokens": context, "n_contexts": contexts,
                   "transcripts": f"{args.first}-{args.last - 1}", "bits_per_element": round(8 * nbytes / elements, 4),
-                  "ppl_rel_delta": round(math.exp(nll / count) / ref_ppl - 1, 6), "top1_agreement": round(agree / count, 5)})  # fmt: skip
+                  "ppl_rel_delta": round(math.exp(nll / count) / ref_ppl - 1, 6), "top1_agreement": round(agree / count, 5),
+                  "kl_mnat_per_token": round(1000 * kl / count, 4)})  # fmt: skip
 
 if __name__ == "__main__":
     main()

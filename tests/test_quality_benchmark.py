@@ -2,10 +2,11 @@
 
 import json
 
+import pytest
 import torch
 
 from benchmarks import baselines
-from benchmarks.quality_size import evaluate, names_topic, summarise
+from benchmarks.quality_size import evaluate, kl_sum, names_topic, summarise
 from cachegen_core.cli import main as cli
 from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.codec.config import CodecConfig
@@ -28,6 +29,17 @@ def test_scoring_on_a_tiny_model(tiny_llama, tiny_tokenizer):
     # 96 tokens, all inside KIVI's 128-token fp16 window: nothing to quantise, lossless
     assert rows[("kivi2", None)]["bits_per_element"] == 16 and rows[("kivi2", None)]["ppl_rel_delta"] == 0
     assert rows[("zstd", None)]["ppl_rel_delta"] == 0  # lossless
+    # KL from fp16's next-token distributions: 0 where the KV is the same (the same computation twice), > 0 where lossy
+    assert fp16["kl_mnat_per_token"] == 0 and rows[("zstd", None)]["kl_mnat_per_token"] == 0
+    assert rows[("uniform4", None)]["kl_mnat_per_token"] > 0 and rows[("cachegen", 3)]["kl_mnat_per_token"] > 0
+    assert rows[("uniform4", None)]["kl_mnat_per_token"] > rows[("uniform8", None)]["kl_mnat_per_token"]
+
+
+def test_kl_sum_is_the_kl_divergence_of_the_next_token_distributions():
+    g = torch.Generator().manual_seed(0)
+    ref, got = torch.randn(5, 11, generator=g).log_softmax(-1), torch.randn(5, 11, generator=g).log_softmax(-1)
+    want = torch.nn.functional.kl_div(got, ref, log_target=True, reduction="sum").item()
+    assert kl_sum(ref, got) == pytest.approx(want, rel=1e-5) and kl_sum(ref, ref) == 0
 
 
 def test_uniform8_per_token_error_within_half_a_step(tiny_kv):
