@@ -76,7 +76,9 @@ def test_engine_from_pretrained_applies_the_environment(monkeypatch, tiny_llama,
     monkeypatch.setenv("CACHEGEN_HMAC_KEY", KEY)
     monkeypatch.setenv("CACHEGEN_MAX_ELEMENTS_PER_BYTE", "1024")
     monkeypatch.setenv("CACHEGEN_MAX_TOKENS", "2048")
-    eng = KVEngine.from_pretrained(tiny_llama, tokenizer=tiny_tokenizer, profile=None, background=False)
+    # text off (no setting names it): the levels are asserted, and under the SLO a link measured slow (a fetch timed in
+    # a stall) made the second chunk text
+    eng = KVEngine.from_pretrained(tiny_llama, tokenizer=tiny_tokenizer, profile=None, background=False, allow_text=False)
     assert (eng.chunk_tokens, eng.store_options, eng.level, eng.slo_s) == (64, [0, 1], 0, 3.0)
     assert isinstance(eng.store, SignedStore) and isinstance(eng.store.inner, MemoryStore)
     assert isinstance(eng.codec, BoundedKVCodec) and eng.codec.max_elements_per_byte == 1024
