@@ -12,8 +12,9 @@ CHUNK = 32
 
 @pytest.fixture
 def llm(tiny_llama, tiny_tokenizer):
-    # one stored option: every warm call streams the same KV (the adaptive choice has its own tests)
-    engine = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, store_options=[0], background=False)
+    # one stored option, never text: every warm call streams the same KV (the adaptive choice has its own tests)
+    engine = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, store_options=[0], background=False,
+                      allow_text=False)  # fmt: skip
     return CacheGenLLM(engine=engine, model_id="tiny", generation_kwargs={"max_new_tokens": 8})
 
 

@@ -126,8 +126,10 @@ def test_signed_engine_reuses_its_own_chunks(tiny_llama, tiny_tokenizer):
     prompt = words(12, 2 * CHUNK + 9)
     answers = []
     for store in (MemoryStore(), SignedStore(MemoryStore(), KEY)):
-        # one stored form: which of raw and a level the controller takes per chunk follows timings, and their KV differ
-        eng = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, background=False, level=1, store_options=[1])
+        # one stored form, never text: which of raw, a level or text the controller takes per chunk follows timings, and
+        # their KV differ
+        eng = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, background=False, level=1, store_options=[1],
+                       allow_text=False)  # fmt: skip
         eng.generate(prompt, max_new_tokens=5)
         text, info = eng.generate(prompt, max_new_tokens=5)
         assert info.cached_tokens == 2 * CHUNK and not info.errors
