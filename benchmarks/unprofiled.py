@@ -35,7 +35,7 @@ import torch
 
 from benchmarks import baselines
 from benchmarks.common import HELD_OUT, Rows, context_kv, load, parser, read_jsonl, setup_threads
-from benchmarks.quality_size import kl_sum, score_logp
+from benchmarks.quality_size import Tally, kl_sum, score_logp
 
 
 def hadamard(layers: int, heads: int, dim: int, seed: int) -> Any:
@@ -118,7 +118,7 @@ def measure(model: Any, tok: Any, records: list[dict[str, Any]], context: int, c
     """Every variant at every level on the first ``context`` tokens of each record long enough: one row each."""
     from cachegen_core.kv import KVCache  # noqa: PLC0415
 
-    tally: dict[tuple[str, int], list[float]] = {}  # bytes, elements, nll, agree, count, kl
+    tally: dict[tuple[str, int], Tally] = {}
     ref_nll = ref_count = 0.0
     contexts = 0
     for r in records:
@@ -135,15 +135,19 @@ def measure(model: Any, tok: Any, records: list[dict[str, Any]], context: int, c
                     blobs = [codec.encode(kv.slice(s, s + 1536), lv, start=s) for s in range(0, context, 1536)]
                     hat = KVCache.concat([codec.decode(b) for b in blobs])
                 nll, n, top, logp = score_logp(model, hat, cont)
-                t = tally.setdefault((v, lv), [0, 0, 0.0, 0, 0, 0.0])
-                for i, x in enumerate((sum(map(len, blobs)), kv.num_elements, nll, int((top == ref_top).sum()), n, kl_sum(ref_logp, logp))):
-                    t[i] += x
+                t = tally.setdefault((v, lv), Tally())
+                t.bytes += sum(map(len, blobs))
+                t.elements += kv.num_elements
+                t.nll += nll
+                t.kl += kl_sum(ref_logp, logp)
+                t.agree += int((top == ref_top).sum())
+                t.count += n
     ref_ppl = math.exp(ref_nll / max(ref_count, 1))
-    for (v, lv), (nbytes, elements, nll, agree, count, kl) in tally.items():
+    for (v, lv), t in tally.items():
         out.emit({"variant": v, "level": lv, "context_tokens": context, "n_contexts": contexts,
-                  "transcripts": f"{args.first}-{args.last - 1}", "bits_per_element": round(8 * nbytes / elements, 4),
-                  "ppl_rel_delta": round(math.exp(nll / count) / ref_ppl - 1, 6), "top1_agreement": round(agree / count, 5),
-                  "kl_mnat_per_token": round(1000 * kl / count, 4)})  # fmt: skip
+                  "transcripts": f"{args.first}-{args.last - 1}", "bits_per_element": round(8 * t.bytes / t.elements, 4),
+                  "ppl_rel_delta": round(math.exp(t.nll / t.count) / ref_ppl - 1, 6), "top1_agreement": round(t.agree / t.count, 5),
+                  "kl_mnat_per_token": round(1000 * t.kl / t.count, 4)})  # fmt: skip
 
 if __name__ == "__main__":
     main()
