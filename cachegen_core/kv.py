@@ -8,11 +8,13 @@ on ``(layers, tokens, channels)`` views of each (``merge_heads`` / ``split_heads
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import threading
 import weakref
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, Sequence
 
 import numpy as np
@@ -47,6 +49,32 @@ def empty_tensor(shape: Sequence[int], dtype: torch.dtype, device: torch.device 
     except OSError:
         pass
     return torch.frombuffer(region, dtype=dtype).view(tuple(shape))  # the tensor holds the mapping
+
+
+class SpareBuffer:
+    """One big CPU buffer kept from one call to the next, so that a chunk's scratch (its decoded components)
+    is faulted in once, not per chunk (:func:`empty_tensor`: a fresh buffer's first write faults every page
+    in; for a 1536-token chunk of the reference model, 70 MB and a third of a warm chunk's decode on 2 cores).
+    It holds the largest buffer asked for; a call while another holds it gets a new one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """A contiguous tensor of ``shape`` and ``dtype`` (uninitialised), this object's until the block ends."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        with self._lock:
+            buf, self._buffer = self._buffer, None
+        if buf is None or buf.numel() < nbytes:
+            buf = empty_tensor((max(nbytes, 1),), torch.uint8)
+        try:
+            yield buf[:nbytes].view(dtype).view(tuple(shape))
+        finally:
+            with self._lock:
+                if self._buffer is None or self._buffer.numel() < buf.numel():
+                    self._buffer = buf
 
 
 class _Staging(threading.local):

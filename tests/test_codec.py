@@ -390,6 +390,8 @@ def test_rotate_is_transformers_formula_bit_for_bit_with_and_without_grad(tiny_l
     x = torch.randn(2, 3, 50, spec.head_dim) * 30
     cos, sin = spec.cos_sin(1234, 50)
     assert torch.equal(spec.rotate(x, 1234), x * cos + rotate_half(x) * sin)
+    y = x.clone()
+    assert spec.rotate(y, 1234, in_place=True) is y and torch.equal(y, x * cos + rotate_half(x) * sin)
     g = x.clone().requires_grad_(True)
     spec.rotate(g, 1234).square().sum().backward()  # the Fisher's backward pass goes through it
     assert torch.isfinite(g.grad).all() and g.grad.abs().sum() > 0
@@ -480,5 +482,13 @@ def test_fitted_transform_round_trip_and_profile_file(tiny_llama, tmp_path):
     out = codec.decode(blob, out=buf.slice(64, 160))  # into the prompt's buffer, in the model's dtype: one rounding
     assert torch.equal(out.keys, want.keys.to(torch.bfloat16)) and torch.equal(out.values, want.values.to(torch.bfloat16))
     assert (buf.keys[:, :, :64] == 0).all() and (buf.keys[:, :, 160:] == 0).all()
+    buf32 = KVCache(torch.zeros(L, H, 200, D), torch.zeros(L, H, 200, D))
+    out32 = codec.decode(blob, out=buf32.slice(64, 160))  # float32: computed in the buffer itself, the same numbers
+    assert torch.equal(out32.keys, want.keys) and torch.equal(out32.values, want.values)
+    assert (buf32.keys[:, :, :64] == 0).all() and (buf32.keys[:, :, 160:] == 0).all()
+    short = train[1].slice(0, 40)  # a shorter chunk with the sink token, decoded in the longer one's components buffer
+    got = codec.decode(codec.encode(short, 1, start=0))
+    want = _expected(short, codec, 1, start=0)
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
     with pytest.raises(ValueError, match="rotary"):
         KVCodec(cfg, loaded, rotary=RotarySpec((1.0,) * (spec.head_dim // 2)))

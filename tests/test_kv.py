@@ -68,3 +68,22 @@ def test_empty_tensor_is_plain_writable_memory_that_outlives_its_mapping(dtype):
     assert torch.equal(view, expected)  # the slice keeps the mapping alive
     small = empty_tensor((3, 5), dtype)
     assert small.shape == (3, 5) and small.dtype == dtype
+
+
+def test_a_spare_buffer_is_reused_when_free_and_never_shared():
+    from cachegen_core.kv import HUGE_PAGE_MIN_BYTES, SpareBuffer
+
+    spare = SpareBuffer()
+    big = (2, HUGE_PAGE_MIN_BYTES // 64, 8)
+    with spare.take(big, torch.float32) as a:
+        assert a.shape == big and a.dtype == torch.float32 and a.is_contiguous()
+        a.fill_(1.0)
+        with spare.take(big, torch.float32) as b:  # taken while the first is in use: another buffer
+            assert b.data_ptr() != a.data_ptr()
+        kept = b.data_ptr()  # given back first; the first one, no larger, is dropped
+    with spare.take((3, 5), torch.float16) as c:  # smaller, another dtype: the start of the kept one
+        assert c.shape == (3, 5) and c.dtype == torch.float16 and c.data_ptr() == kept
+    with spare.take((2, HUGE_PAGE_MIN_BYTES // 32, 8), torch.float32) as d:  # larger than any kept: a new one
+        assert d.data_ptr() != kept
+    with spare.take(big, torch.float32) as e:  # the larger one is kept from now on
+        assert e.data_ptr() == d.data_ptr()

@@ -79,14 +79,19 @@ def decode_components(
     step: torch.Tensor,
     *,
     threads: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode a blob's substreams (its last ``sum(lengths)`` bytes, checksums already verified) and
     dequantise them at ``step`` (float32 ``(2, layers, heads, dim)``): float32 components
-    ``(2, layers, heads, coded_tokens, dim)``."""
+    ``(2, layers, heads, coded_tokens, dim)``, written into ``out`` when given (contiguous, that shape)."""
     lib = native_lib.cpu_library()
     t = cached_tables(freqs)
     data, in_off = _payloads(blob, lengths)
-    out = empty_tensor((2, geo.layers, geo.heads, geo.coded_tokens, geo.dim), torch.float32)
+    shape = (2, geo.layers, geo.heads, geo.coded_tokens, geo.dim)
+    if out is None:
+        out = empty_tensor(shape, torch.float32)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {shape}")
     steps = np.ascontiguousarray(step.float().reshape(-1).numpy())
     status = np.zeros(max(1, len(lengths)), dtype=np.int32)
     offsets = np.ascontiguousarray(layout_offsets, dtype=np.int64)

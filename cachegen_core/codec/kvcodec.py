@@ -23,7 +23,7 @@ from ..coders import BackendUnavailable, Coder, StreamLayout, SymbolDecoder, fas
 from .config import CodecConfig
 from ..errors import CacheGenFormatError, CoderError
 from .format import Container, Limits, pack, unpack
-from ..kv import KVCache, KVShapeError, all_finite
+from ..kv import KVCache, KVShapeError, SpareBuffer, all_finite
 from .blob import DTYPES, MAX_ELEMENTS_PER_BYTE, MAX_START, BlobHeader, Checked, Prepared, bf16_section, dtype_name, side_info, valid_shape
 from .fused_encode import quantise_chunk
 from .pipeline import exact_part, exact_tokens, magnitude_bound, synthesise_parts
@@ -86,6 +86,7 @@ class KVCodec:
         self.limits = limits
         self.max_tokens = max_tokens
         self.device = torch.device("cpu" if device is None else device)
+        self._spare = SpareBuffer()
         if self.device.type != "cpu":  # fail now, not at the first blob
             try:
                 get_decoder(self._coder().name, self.device)
@@ -156,8 +157,7 @@ class KVCodec:
     def encode_with_stats(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> tuple[bytes, dict[str, Any]]:
         """``encode`` plus where the bits went: coded and ideal bits, by kind and layer third."""
         p = self.prepare(kv, level, start=start)
-        payloads = self._coder().encode(p.symbols, p.layout, p.freqs)
-        blob = self._pack(p, payloads)
+        blob = self._pack(p, payloads := self._coder().encode(p.symbols, p.layout, p.freqs))
         return blob, encode_stats(len(blob), payloads, p.symbols, p.layout, p.freqs, p.geometry, p.sections)
 
     def _pack(self, p: Prepared, payloads: list[bytes]) -> bytes:
@@ -327,17 +327,18 @@ class KVCodec:
                 fused.verify_once(where, out, lambda: self._synthesise(h, self._components_torch(h, geo, step, freqs, layout, c, device),
                                                                         mean.to(where), step.to(where), exact.to(where), start, None))  # fmt: skip
             return out
-        if native:
-            comps = fused.decode_components(blob, lengths, layout.offsets, layout.table_ids, freqs, geo, step)
-        elif hasattr(gpu, "decode_components"):  # dequantised by the kernel, the transform's matmul left to torch
+        if native:  # into the codec's spare buffer: its pages are faulted in once, not per chunk
+            with self._spare.take((2, layers, heads, geo.coded_tokens, dim), torch.float32) as scratch:
+                comps = fused.decode_components(blob, lengths, layout.offsets, layout.table_ids, freqs, geo, step, out=scratch)
+                return self._synthesise(h, comps, mean, step, exact, start, out)
+        if hasattr(gpu, "decode_components"):  # dequantised by the kernel, the transform's matmul left to torch
             comps = fused.decode_components_on(gpu, blob, lengths, layout, freqs, geo, step)
         else:
             comps = self._components_torch(h, geo, step, freqs, layout, c, device)
         return self._synthesise(h, comps, mean.to(comps.device), step.to(comps.device), exact.to(comps.device), start, out)
 
     def _may_overflow(self, h: BlobHeader, mean: torch.Tensor, step: torch.Tensor, exact: torch.Tensor, out: KVCache) -> bool:
-        """Whether the parameters' bound (``pipeline.magnitude_bound``) lets decoded values reach the blob's or
-        ``out``'s dtype range: only then is the output scanned (the torch path)."""
+        """Whether decoded values may reach the blob's or ``out``'s dtype range (``pipeline.magnitude_bound``): then scanned."""
         limit = min(torch.finfo(h.dtype).max, torch.finfo(out.dtype).max)
         transform = self._transform(h.shape[0], h.shape[1], h.shape[3])
         return magnitude_bound(transform, mean, step, exact, self.rotary) * 1.001 >= limit
@@ -360,19 +361,20 @@ class KVCodec:
 
     def _synthesise(self, h: BlobHeader, comps: torch.Tensor, mean: torch.Tensor, step: torch.Tensor,
                     exact: torch.Tensor, start: int, out: KVCache | None) -> KVCache:  # fmt: skip
-        """Components to KV in the blob's dtype (``pipeline.synthesise_parts``), written into ``out``
-        when given (else into a new cache). The output is scanned for overflow only when the
-        parameters' bound (``pipeline.magnitude_bound``) does not exclude it."""
+        """Components to KV in the blob's dtype (``pipeline.synthesise_parts``), written into ``out`` when given (else
+        into a new cache); scanned for overflow only when the parameters' bound does not exclude it (``_may_overflow``)."""
         layers, heads, tokens, dim = h.shape
         transform = self._transform(layers, heads, dim)
         if out is None:
             out = KVCache(*(torch.empty(h.shape, dtype=h.dtype, device=comps.device) for _ in range(2)))
         checked = self._may_overflow(h, mean, step, exact, out)
-        parts = synthesise_parts(comps, mean, exact, transform, start=start, encoded_start=h.start, rotary=self.rotary)
+        n = tokens - comps.shape[3]
+        direct = not checked and h.dtype == out.dtype == torch.float32 and out.keys.device == comps.device  # computed in ``out``
+        parts = synthesise_parts(comps, mean, exact, transform, start=start, encoded_start=h.start, rotary=self.rotary,
+                                 bodies=(out.keys[:, :, n:], out.values[:, :, n:]) if direct else None)  # fmt: skip
         for (ex, body), dst in zip(parts, (out.keys, out.values)):
-            n = ex.shape[2]
             for part, where in ((ex, dst[:, :, :n]), (body, dst[:, :, n:])):
-                if not part.numel():
+                if not part.numel() or part.data_ptr() == where.data_ptr():  # a body computed in place
                     continue
                 if h.dtype != dst.dtype or checked:
                     part = part.to(h.dtype)  # the blob's dtype first: what decoding without ``out`` returns

@@ -106,6 +106,7 @@ def synthesise_parts(
     start: int = 0,
     encoded_start: int = 0,
     rotary: RotarySpec | None = None,
+    bodies: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per kind (keys, values), the exact tokens and the coded ones, float32 ``(layers, heads, n, dim)``
     on the components' device: the two token ranges of :func:`synthesise`, not yet joined.
@@ -113,16 +114,19 @@ def synthesise_parts(
     ``comps``: dequantised components float32 ``(2, layers, heads, coded_tokens, dim)``
     (``dequantize``, or the native decoder's); ``mean`` and ``exact`` as in ``Coded``.
     Keys come out at positions from ``start``; the exact tokens were stored at ``encoded_start``
-    and are moved when ``start`` differs.
+    and are moved when ``start`` differs. ``bodies``: float32 keys and values ``(layers, heads,
+    coded_tokens, dim)`` on that device (the coded tokens' slice of a KV buffer) the coded tokens
+    are computed in, with the same numbers, and returned as; else new tensors.
     """
     dev = comps.device
     out = []
     for kind in range(2):
-        body, m = transform.synthesise(comps[kind], kind), mean[kind].to(dev)[:, :, None, :]
-        body = body + m if transform.identity else body.add_(m)  # in place on the matmul's own output
+        dst = bodies[kind] if bodies is not None else None
+        body, m = transform.synthesise(comps[kind], kind, out=dst), mean[kind].to(dev)[:, :, None, :]
+        body = body + m if transform.identity and dst is None else body.add_(m)  # in place on the matmul's own output
         ex = exact_part(exact, kind, start=start, encoded_start=encoded_start, rotary=rotary).to(dev)
         if kind == 0 and rotary is not None:
-            body = rotary.rotate(body, start + ex.shape[2])
+            body = rotary.rotate(body, start + ex.shape[2], in_place=dst is not None)
         out.append((ex, body))
     return out
 

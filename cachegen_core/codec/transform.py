@@ -57,11 +57,12 @@ class Transform:
             return x
         return torch.matmul(x, self.analysis[kind].to(x.device).transpose(-1, -2))
 
-    def synthesise(self, c: torch.Tensor, kind: int) -> torch.Tensor:
-        """Components -> channels (inverse of ``analyse``)."""
+    def synthesise(self, c: torch.Tensor, kind: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Components -> channels (inverse of ``analyse``), into ``out`` when given (float32, ``c``'s
+        shape): a slice of a KV buffer, already faulted in, where a new tensor's pages would be."""
         if self.identity:
-            return c
-        return torch.matmul(c, self.synthesis[kind].to(c.device).transpose(-1, -2))
+            return c if out is None else out.copy_(c)
+        return torch.matmul(c, self.synthesis[kind].to(c.device).transpose(-1, -2), out=out)
 
 
 def fit_transform(covariance: torch.Tensor, fisher: torch.Tensor | None = None, eps: float = 0.01) -> Transform:
