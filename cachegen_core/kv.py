@@ -13,8 +13,8 @@ import math
 import mmap
 import threading
 import weakref
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
