@@ -40,6 +40,7 @@ QUESTION = (
     "Only give me the topic name. Do not summarize yourself. ASSISTANT:"
 )
 Method = Callable[[KVCache], tuple[KVCache, int]]
+Scores = tuple[float, int, torch.Tensor, torch.Tensor]  # score_logp's: NLL sum, count, top-1, log-probabilities
 
 
 @dataclass
@@ -58,9 +59,19 @@ class Tally:
     seconds: float = 0.0
     answers: list[str] = field(default_factory=list)
 
+    def add(self, nbytes: int, elements: int, scored: Scores, reference: Scores) -> None:
+        """One context's size and scores (``score_logp``'s), against the fp16 KV's ``reference`` scores."""
+        nll, n, top, logp = scored
+        self.bytes += nbytes
+        self.elements += elements
+        self.nll += nll
+        self.kl += kl_sum(reference[3], logp)
+        self.count += n
+        self.agree += int((top == reference[2]).sum())
+
 
 @torch.no_grad()
-def score_logp(model: Any, kv: KVCache, continuation: list[int]) -> tuple[float, int, torch.Tensor, torch.Tensor]:
+def score_logp(model: Any, kv: KVCache, continuation: list[int]) -> Scores:
     """Teacher-forced NLL (sum) of ``continuation[1:]`` on top of ``kv``, the count, the argmax predictions and
     the next-token log-probabilities (float32, ``(count, vocab)``, on the model's device)."""
     dtype = next(model.parameters()).dtype
@@ -167,21 +178,15 @@ def evaluate(
             continue
         ctx, cont = ids[:context_tokens], ids[context_tokens : context_tokens + continuation_tokens]
         kv = context_kv(model, ctx)
-        ref_top = ref_logp = None
+        ref: Scores | None = None
         for key, method in ms.items():
             t = tallies.setdefault(key, Tally())
             t0 = time.perf_counter()
             kv_hat, size = method(kv)
             t.seconds += time.perf_counter() - t0
-            nll, n, top, logp = score_logp(model, kv_hat, cont)
-            if ref_top is None:  # fp16 comes first: the reference
-                ref_top, ref_logp = top, logp
-            t.bytes += size
-            t.elements += kv.num_elements
-            t.nll += nll
-            t.kl += kl_sum(ref_logp, logp)
-            t.count += n
-            t.agree += int((top == ref_top).sum())
+            scored = score_logp(model, kv_hat, cont)
+            ref = scored if ref is None else ref  # fp16 comes first: the reference
+            t.add(size, kv.num_elements, scored, ref)
             t.contexts += 1
             if task and rec.get("label"):
                 text = answer(model, tokenizer, kv_hat, ctx)

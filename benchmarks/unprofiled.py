@@ -35,7 +35,7 @@ import torch
 
 from benchmarks import baselines
 from benchmarks.common import HELD_OUT, Rows, context_kv, load, parser, read_jsonl, setup_threads
-from benchmarks.quality_size import Tally, kl_sum, score_logp
+from benchmarks.quality_size import Tally, score_logp
 
 
 def hadamard(layers: int, heads: int, dim: int, seed: int) -> Any:
@@ -127,21 +127,14 @@ def measure(model: Any, tok: Any, records: list[dict[str, Any]], context: int, c
             continue
         ctx, cont = ids[:context], ids[context : context + 256]
         kv = context_kv(model, ctx)
-        nll, n, ref_top, ref_logp = score_logp(model, baselines.fp16(kv)[0], cont)  # the reference: the fp16 KV, as in quality_size
-        ref_nll, ref_count, contexts = ref_nll + nll, ref_count + n, contexts + 1
+        ref = score_logp(model, baselines.fp16(kv)[0], cont)  # the reference: the fp16 KV, as in quality_size
+        ref_nll, ref_count, contexts = ref_nll + ref[0], ref_count + ref[1], contexts + 1
         for v, (codec, rotated) in codecs.items():
             for lv in args.levels:
                 with torch_paths() if rotated else contextlib.nullcontext():
                     blobs = [codec.encode(kv.slice(s, s + 1536), lv, start=s) for s in range(0, context, 1536)]
                     hat = KVCache.concat([codec.decode(b) for b in blobs])
-                nll, n, top, logp = score_logp(model, hat, cont)
-                t = tally.setdefault((v, lv), Tally())
-                t.bytes += sum(map(len, blobs))
-                t.elements += kv.num_elements
-                t.nll += nll
-                t.kl += kl_sum(ref_logp, logp)
-                t.agree += int((top == ref_top).sum())
-                t.count += n
+                tally.setdefault((v, lv), Tally()).add(sum(map(len, blobs)), kv.num_elements, score_logp(model, hat, cont), ref)
     ref_ppl = math.exp(ref_nll / max(ref_count, 1))
     for (v, lv), t in tally.items():
         out.emit({"variant": v, "level": lv, "context_tokens": context, "n_contexts": contexts,
