@@ -58,8 +58,10 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
     rotary = RotarySpec.from_model(model)
     records = read_jsonl(args.data)
     ids = [tok(r["prompt"])["input_ids"][: args.train_tokens] for r in records[args.train_first : args.train_last]]
-    stats = kv_statistics(model, ids, rotary=rotary, contexts=(1536, 4096))
-    transform = fit_transform(stats.covariance, stats.fisher, config.fisher_eps)
+    cfg = model.config
+    heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    stats = kv_statistics(model, ids, rotary=rotary, contexts=(1536, 4096), group=config.head_group(heads, dim))
+    transform = fit_transform(stats.covariance, stats.fisher, config.fisher_eps, group=stats.group)
     train = (context_kv(model, x) for x in ids)
     codec = KVCodec(config, Profile.fit(config, train, transform=transform, rotary=rotary))
     tally = {lv: [0, 0, 0.0, 0.0, 0, 0] for lv in range(config.n_levels)}  # bytes, elements, nll, ref nll, agree, count

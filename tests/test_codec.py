@@ -451,12 +451,14 @@ def test_fitted_transform_round_trip_and_profile_file(tiny_llama, tmp_path):
     spec = RotarySpec.from_model(tiny_llama)
     torch.manual_seed(4)
     texts = [torch.randint(3, 128, (200,)).tolist() for _ in range(3)]
-    stats = kv_statistics(tiny_llama, texts, rotary=spec, contexts=(64, 128), continuation=32, chunk_tokens=64)
+    cfg = CodecConfig()
+    group = cfg.head_group(2, 16)  # both heads of a layer in one matrix
+    stats = kv_statistics(tiny_llama, texts, rotary=spec, contexts=(64, 128), continuation=32, chunk_tokens=64, group=group)
     assert stats.fisher_tokens == 3 * (63 + 127) and stats.covariance_tokens == 3 * 127
-    tf = fit_transform(stats.covariance, stats.fisher, 0.1)
+    tf = fit_transform(stats.covariance, stats.fisher, 0.1, group=group)
+    assert group == 2 and tf.analysis.shape == (2, 3, 1, 32, 32) and tf.shape == (3, 2, 16)
     eye = torch.eye(tf.analysis.shape[-1])
     assert torch.allclose(tf.synthesis @ tf.analysis, eye.expand_as(tf.analysis), atol=1e-4)
-    cfg = CodecConfig()
     train = []
     for t in texts:
         with torch.no_grad():

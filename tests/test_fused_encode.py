@@ -153,8 +153,9 @@ def test_profiles_encode_identically(tiny_kv, monkeypatch):
     """With a profile's tables (no counting), and with a fitted transform (components from torch, steps and symbols native)."""
     L, H, _, D = tiny_kv.shape
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(2, L, H, D, D, generator=g)
-    tf = fit_transform(a @ a.transpose(-1, -2) + torch.eye(D))
+    group = CodecConfig().head_group(H, D)  # the heads of a layer in one matrix
+    a = torch.randn(2, L, H // group, group * D, group * D, generator=g)
+    tf = fit_transform(a @ a.transpose(-1, -2) + torch.eye(group * D), group=group)
     for config in (CodecConfig(), CodecConfig(step_cap=2.0)):
         for profile in (Profile.fit(config, [tiny_kv], chunk_tokens=80), Profile.fit(config, [tiny_kv], transform=tf, chunk_tokens=80)):
             codec = KVCodec(config, profile)

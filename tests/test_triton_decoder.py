@@ -214,8 +214,9 @@ def test_kv_with_a_profile_at_every_level(on_gpu, in_bounds, tiny_llama, tiny_kv
     resolution at the vector's magnitude."""
     spec = RotarySpec.from_model(tiny_llama)
     _, heads, _, dim = tiny_kv.shape
-    a = torch.randn(2, tiny_kv.num_layers, heads, dim, dim, generator=torch.Generator().manual_seed(0))
-    transform = fit_transform(a @ a.transpose(-1, -2) + torch.eye(dim))
+    group = ONE_TOKEN.head_group(heads, dim)  # the heads of a layer in one matrix
+    a = torch.randn(2, tiny_kv.num_layers, heads // group, group * dim, group * dim, generator=torch.Generator().manual_seed(0))
+    transform = fit_transform(a @ a.transpose(-1, -2) + torch.eye(group * dim), group=group)
     for tf in (None, transform):
         profile = Profile.fit(ONE_TOKEN, [tiny_kv.slice(0, 120)], transform=tf, rotary=spec, chunk_tokens=60)
         cpu, gpu = KVCodec(ONE_TOKEN, profile), KVCodec(ONE_TOKEN, profile, device="cuda")

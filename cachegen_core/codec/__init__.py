@@ -1,8 +1,8 @@
 """The codec: everything a blob is made of and decoded from.
 
 A chunk's KV goes through the codec v3 pipeline (``pipeline``: exact sink tokens, the chunk
-mean, keys before the rotary embedding (``rotary``), the per-head transform (``transform``),
-uniform steps (``quantize``)), its symbols are laid out in substreams (``substreams``) and
+mean, keys before the rotary embedding (``rotary``), the transform across each group of a
+layer's heads (``transform``), uniform steps (``quantize``)), its symbols are laid out in substreams (``substreams``) and
 entropy-coded with the model's profiled tables (``profile``, fitted from ``kvstats``; without a
 profile, steps weighted by the model's measured sensitivity, ``weights``; ``bitstats`` says where the
 bits go) into the versioned container (``format``) as a checked blob (``blob``).

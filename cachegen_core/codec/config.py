@@ -13,8 +13,9 @@ from .classes import DEFAULT_CLASSES, digest
 #: units of the RMS of the Fisher-weighted components (``transform.py``), the same for every
 #: component of every layer; without one, in units of the RMS of each layer's channels.
 #: Chosen on SmolLM2-135M (``docs/results.md``, "Codec v2"; level 1 moved from 0.075 to 0.085 with
-#: codec v3's fixed tables: 3.46 bits at 99.4 % top-1 on the tuning transcripts, 2026-11-27).
-DEFAULT_LEVELS: tuple[float, ...] = (0.03, 0.085, 0.16, 0.34)
+#: codec v3's fixed tables; level 2 added with the transform across heads, 2026-11-28: on the tuning
+#: transcripts 10-11 at C = 4096 level 1 codes 3.21 bits at 99.2 % top-1, a step of 0.1 3.00 bits).
+DEFAULT_LEVELS: tuple[float, ...] = (0.03, 0.085, 0.104, 0.16, 0.34)
 TRANSFORMS = ("fisher-klt", "pca", "none")
 
 
@@ -28,9 +29,13 @@ class CodecConfig:
     in the chunk (0: no cap). ``stream_symbols``: symbols per substream, at least (whole
     tokens; fewer only when the chunk is smaller); a substream's rANS flush costs ~48 bytes,
     so 2^17 symbols keep it under 0.3 % down to one bit per element.
-    ``transform`` and ``fisher_eps``: how a profile fits the per-head transform
+    ``transform`` and ``fisher_eps``: how a profile fits its transform
     (``transform.py``): ``"fisher-klt"`` (decorrelating, weighted by the model's Fisher,
     regularised by ``fisher_eps``), ``"pca"`` (decorrelating, unweighted) or ``"none"``.
+    ``group_channels``: one transform matrix spans as many of a layer's KV heads as fit in this
+    many channels (``head_group``): heads of a layer are projections of the same hidden state, so
+    a transform across them codes the reference model's KV in ~10 % fewer bits than one per head
+    (``docs/results.md``); each element then costs ``group_channels`` multiply-adds to decode, at most.
     ``table_classes``: how many frequency tables code every component (``classes.py``: discrete
     Gaussian laws at log-spaced scales; a profile or the blob names each component's).
     ``unprofiled_scale``: without a profile the step of a level above 0 is this many times its
@@ -47,6 +52,7 @@ class CodecConfig:
     stream_symbols: int = 1 << 17
     transform: str = "fisher-klt"
     fisher_eps: float = 1.0
+    group_channels: int = 256
     unprofiled_scale: float = 2.356
     weighted_scale: float = 3.176
     table_classes: int = DEFAULT_CLASSES
@@ -71,6 +77,8 @@ class CodecConfig:
             raise ValueError(f"transform must be one of {TRANSFORMS}")
         if not self.fisher_eps > 0:
             raise ValueError("fisher_eps must be > 0")
+        if self.group_channels < 1:
+            raise ValueError("group_channels must be >= 1")
         if not 2 <= self.table_classes <= 256:
             raise ValueError("table_classes must be in [2, 256]")
 
@@ -87,6 +95,11 @@ class CodecConfig:
         if fitted or level == 0:
             return self.levels[level]
         return self.levels[level] * (self.weighted_scale if weighted else self.unprofiled_scale)
+
+    def head_group(self, heads: int, dim: int) -> int:
+        """KV heads per transform matrix for a model of ``heads`` heads of ``dim`` channels: the largest
+        divisor of ``heads`` whose channels fit in ``group_channels`` (at least one head)."""
+        return max((g for g in range(1, heads + 1) if heads % g == 0 and g * dim <= self.group_channels), default=1)
 
     def tokens_per_stream(self, symbols_per_token: int) -> int:
         """Tokens per substream for a model with ``symbols_per_token`` (2 x layers x channels)."""

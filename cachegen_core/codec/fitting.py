@@ -95,7 +95,8 @@ def fit_profile(
         if config.transform == "none":
             continue
         if stats is None:
-            stats = KVStats.empty(kv.num_layers, kv.num_kv_heads, kv.head_dim)
+            group = config.head_group(kv.num_kv_heads, kv.head_dim)
+            stats = KVStats.empty(kv.num_layers, kv.num_kv_heads, kv.head_dim, group)
         stats.add_covariance(kv, rotary=rotary, chunk_tokens=plan.chunk_tokens, sink_tokens=config.sink_tokens)
         for c in (c for c in plan.contexts if len(x) >= c + plan.continuation and c <= kv.num_tokens):
             if config.transform != "fisher-klt":
@@ -106,7 +107,7 @@ def fit_profile(
     transform = None
     if stats is not None:
         fisher = stats.fisher if config.transform == "fisher-klt" and stats.fisher_tokens else None
-        transform = fit_transform(stats.covariance, fisher, config.fisher_eps)
+        transform = fit_transform(stats.covariance, fisher, config.fisher_eps, group=stats.group)
     about = {"source": source, "texts": len(ids), "tokens": sum(min(len(x), plan.tokens) for x in ids),
              "fisher_draws": len(stats.contexts) if stats else 0}  # fmt: skip
     return Profile.fit(config, caches, transform=transform, rotary=rotary, chunk_tokens=plan.chunk_tokens,

@@ -1,5 +1,5 @@
 """Native decoding of a chunk in one threaded C++ pass (``csrc/kv_fused.cpp``): entropy decoding and
-dequantisation, and without a per-head transform the whole reconstruction.
+dequantisation, and without a profile's transform the whole reconstruction.
 
 Each substream (a block of tokens) is decoded by one thread, with no symbol array and no
 torch pass over symbols. Two entry points:
@@ -8,7 +8,7 @@ torch pass over symbols. Two entry points:
   keys' rotary embedding and the rounding to the output dtype (``csrc/kv_core.h``), written
   straight into the caller's KV tensors (a slice of a prompt's buffer): the KV in one pass;
 - ``decode_components``: float32 components ``(s - 128) * step`` into a ``(2, layers, heads,
-  coded_tokens, dim)`` tensor, for the per-head synthesis of a profile's transform in torch
+  coded_tokens, dim)`` tensor, for the synthesis of a profile's transform in torch
   (``pipeline.synthesise_parts``).
 
 The arithmetic is the torch reference's, one rounding per operation in the same order, so

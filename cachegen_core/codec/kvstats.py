@@ -5,7 +5,8 @@
 - **Fisher information** of the model's predictions with respect to the KV: the
   codec's distortion measure is the KL divergence between next-token distributions on
   the exact and on the reconstructed KV, which for small errors ``e`` is ``e^T F e / 2``.
-  Estimated per (kind, layer, KV head) as a ``dim x dim`` matrix: score a continuation
+  Estimated per (kind, layer, group of KV heads) as an ``n x n`` matrix (``n``: the group's
+  channels, ``transform.group_heads``; heads one at a time for ``group`` = 1): score a continuation
   on a context's KV, draw each next token from the model's own distribution and add up
   ``g g^T`` of the gradient ``g`` of the log-likelihood with respect to every context
   token's key and value (one backward pass per draw; cross terms between positions
@@ -25,22 +26,26 @@ import torch
 from ..hfcompat import cache_arg, output_cache
 from ..kv import KVCache
 from .rotary import RotarySpec
+from .transform import group_heads
 
 
 @dataclass
 class KVStats:
-    """Running sums per (kind, layer, head), float64 ``(2, layers, heads, dim, dim)``."""
+    """Running sums per (kind, layer, group of ``group`` heads), float64 ``(2, layers, heads // group, n, n)``."""
 
     covariance_sum: torch.Tensor
     fisher_sum: torch.Tensor
     covariance_tokens: int = 0
     fisher_tokens: int = 0
     contexts: list[int] = field(default_factory=list)
+    group: int = 1
 
     @classmethod
-    def empty(cls, layers: int, heads: int, dim: int) -> "KVStats":
-        z = torch.zeros(2, layers, heads, dim, dim, dtype=torch.float64)
-        return cls(z, z.clone())
+    def empty(cls, layers: int, heads: int, dim: int, group: int = 1) -> "KVStats":
+        if group < 1 or heads % group:
+            raise ValueError(f"a group of {group} heads does not divide {heads} heads")
+        z = torch.zeros(2, layers, heads // group, group * dim, group * dim, dtype=torch.float64)
+        return cls(z, z.clone(), group=group)
 
     @property
     def covariance(self) -> torch.Tensor:
@@ -58,7 +63,7 @@ class KVStats:
             skip = max(0, min(chunk.num_tokens, sink_tokens - start))
             for kind, x in enumerate((chunk.keys, chunk.values)):
                 x = rotary.unrotate(x, start) if kind == 0 and rotary is not None else x.float()
-                body = x[:, :, skip:].double()
+                body = group_heads(x[:, :, skip:], self.group).double()
                 if body.shape[2] < 2:
                     continue
                 body = body - body.mean(dim=2, keepdim=True)
@@ -95,7 +100,7 @@ class KVStats:
                 p.requires_grad_(True)
         skip = min(sink_tokens, kv.num_tokens)
         for kind, g in enumerate(grads):
-            g = g[:, :, skip:].double()
+            g = group_heads(g[:, :, skip:], self.group).double()
             self.fisher_sum[kind] += torch.einsum("lhti,lhtj->lhij", g, g).cpu()
         self.fisher_tokens += kv.num_tokens - skip
         self.contexts.append(kv.num_tokens)
@@ -117,10 +122,12 @@ def kv_statistics(
     chunk_tokens: int = 1536,
     sink_tokens: int = 1,
     seed: int = 0,
+    group: int = 1,
 ) -> KVStats:
     """Covariance and Fisher over texts: for each text, one forward pass over its first
     ``max(contexts)`` tokens (the covariance), then one Fisher draw per context length
-    ``c`` the text is long enough for (``c`` tokens of context, the next ``continuation`` scored)."""
+    ``c`` the text is long enough for (``c`` tokens of context, the next ``continuation`` scored);
+    ``group``: heads per matrix."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
     stats: KVStats | None = None
     for ids in token_ids:
@@ -131,7 +138,7 @@ def kv_statistics(
             out = model(torch.tensor([ids[: max(usable)]], device=model.device), use_cache=True, **cache_arg(model, _plain_cache()))
         kv = KVCache.from_dynamic_cache(output_cache(out))
         if stats is None:
-            stats = KVStats.empty(kv.num_layers, kv.num_kv_heads, kv.head_dim)
+            stats = KVStats.empty(kv.num_layers, kv.num_kv_heads, kv.head_dim, group)
         stats.add_covariance(kv, rotary=rotary, chunk_tokens=chunk_tokens, sink_tokens=sink_tokens)
         for c in usable:
             stats.add_fisher(model, kv.slice(0, c), ids[c : c + continuation], rotary=rotary, sink_tokens=sink_tokens, generator=gen)

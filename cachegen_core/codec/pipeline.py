@@ -6,7 +6,7 @@ Per kind (0 = keys, 1 = values), for a chunk whose first token sits at position 
 2. tokens at positions below ``sink_tokens`` (the attention sink: thousands of times more
    sensitive than any other token) are kept exactly, as float32;
 3. the other tokens are centred on the chunk mean of each channel (bfloat16) and
-   transformed per head into components (``transform.py``);
+   transformed into components, one matrix per group of a layer's heads (``transform.py``);
 4. components are quantised with one step per (layer, head, component) (``quantize.py``):
    ``level step x RMS of the kind's layer in the chunk`` with the identity transform of a
    codec without profile, times the component's weight when the codec has step weights
@@ -161,12 +161,13 @@ def magnitude_bound(
     """An upper bound on ``|x|`` over every value :func:`synthesise` can return for these parameters.
 
     A component is ``(s - 128) * step`` with ``s`` in ``[0, 255]``, so ``|c| <= 128 step`` and a
-    channel ``|x_i| <= |mean_i| + sum_j |B_ij| 128 step_j``; a rotation by cos and sin (scaled by
-    ``attention_scaling``) at most doubles a key channel's bound. Computed in float64 from the
+    channel ``|x_i| <= |mean_i| + sum_j |B_ij| 128 step_j`` (``j`` over its group's components); a
+    rotation by cos and sin (scaled by ``attention_scaling``) at most doubles a key channel's bound. Computed in float64 from the
     parameters alone: what lets the decoder skip a pass over the output to look for overflow.
     """
-    synth = transform.synthesis.to(device=step.device, dtype=torch.float64).abs()
-    body = mean.double().abs() + 128 * (synth @ step.double()[..., None])[..., 0]  # (2, layers, heads, dim)
+    synth = transform.synthesis.to(device=step.device, dtype=torch.float64).abs()  # (2, layers, groups, n, n)
+    grouped = synth.shape[:4]  # a group's steps and means side by side, as its matrix reads them
+    body = mean.double().abs().reshape(grouped) + 128 * (synth @ step.double().reshape(grouped)[..., None])[..., 0]
     ex = exact.double().abs().flatten(1).amax(dim=1) if exact.numel() else torch.zeros(2, dtype=torch.float64, device=step.device)
     per_kind = torch.maximum(body.flatten(1).amax(dim=1), ex.to(body.device))
     key_factor = 2.0 * abs(rotary.attention_scaling) if rotary is not None else 1.0

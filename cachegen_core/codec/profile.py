@@ -2,12 +2,13 @@
 
 - the class of every (level, kind, layer, component): which of the codec's fixed tables
   (``classes.py``) codes it, picked from the symbols of the fitting contexts;
-- the per-head transform between channels and components (``transform.py``), fitted from
-  the KV's covariance and the model's Fisher (``kvstats.py``), stored in 16 bits;
+- the transform between channels and components, one matrix per group of a layer's heads
+  (``transform.py``), fitted from the KV's covariance and the model's Fisher (``kvstats.py``),
+  stored in 16 bits;
 - the model's rotary embedding (``rotary.py``) when keys are coded before it.
 
-Shared by every cache of that model: about 1.5 MB for the reference model (30 layers of
-3 KV heads x 64), whatever the number of tables. Saved as safetensors + JSON metadata
+Shared by every cache of that model: about 4.5 MB for the reference model (30 layers of
+3 KV heads x 64, one 192 x 192 matrix per layer and kind), whatever the number of tables. Saved as safetensors + JSON metadata
 (``to_bytes``, ``from_bytes``): no object serialisation, so a profile can be read from a
 file or a shared store alike. Its id is a hash of its content, so a blob coded with one
 profile can never be decoded with another.
@@ -32,10 +33,10 @@ from .quantize import ALPHABET
 from .rotary import RotarySpec
 from .transform import Transform, from_half, identity_transform, to_half
 
-PROFILE_FORMAT = "cachegen-profile-v3"
+PROFILE_FORMAT = "cachegen-profile-v4"
 #: Formats of earlier builds: named when met, so that the user is told to refit.
-OLD_FORMATS = ("cachegen-profile-v2",)
-#: Largest profile accepted (sum of its tensors' bytes); the reference model's is ~1.5 MB, a 7B's ~17 MB.
+OLD_FORMATS = ("cachegen-profile-v2", "cachegen-profile-v3")
+#: Largest profile accepted (sum of its tensors' bytes); the reference model's is ~4.5 MB, a 7B GQA's ~34 MB.
 MAX_PROFILE_BYTES = 1 << 30
 _HALF = ("synthesis", "scale", "spread")
 
@@ -76,7 +77,8 @@ class Profile:
                 self.transform = from_half(half["synthesis"], half["scale"], half["spread"])
             except ValueError as e:
                 raise CacheGenFormatError(f"profile transform: {e}") from None
-            if self.transform.shape != (shape[2], meta["kv_heads"], meta["head_dim"]):
+            fits = self.transform.shape == (shape[2], meta["kv_heads"], meta["head_dim"])
+            if not fits or self.transform.group != meta["head_group"]:
                 raise CacheGenFormatError(f"profile transform of shape {self.transform.shape} does not match its classes")
         self.rotary = rotary
         self.meta["rotary"] = rotary.to_dict() if rotary is not None else None
@@ -132,6 +134,9 @@ class Profile:
                 counts = torch.zeros(config.n_levels, 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim, ALPHABET, dtype=torch.int64)
                 if stored is not None and stored.shape != shape:
                     raise ValueError(f"transform of shape {stored.shape} does not fit KV of shape {kv.shape}")
+                want = config.head_group(*shape[1:])
+                if stored is not None and stored.group != want:
+                    raise ValueError(f"transform of {stored.group} heads per matrix, the codec configuration's is {want}")
                 stored = stored if stored is not None else identity_transform(*shape)
             elif (kv.num_layers, kv.num_kv_heads, kv.head_dim) != shape:
                 raise ValueError(f"all caches must come from one model; got {kv.shape} after {shape}")
@@ -151,6 +156,7 @@ class Profile:
             "kv_heads": shape[1],
             "head_dim": shape[2],
             "channels": shape[1] * shape[2],
+            "head_group": stored.group if transform is not None else 1,
             "n_levels": config.n_levels,
             "n_classes": config.table_classes,
             "chunk_tokens": chunk_tokens,
@@ -221,13 +227,16 @@ def _read_meta(data: bytes, source: str) -> dict[str, Any]:
         raise CacheGenFormatError(f"{source} is not a {PROFILE_FORMAT} file")
     if not isinstance(meta.get("codec_id"), str) or not isinstance(meta.get("model_fingerprint", ""), str):
         raise CacheGenFormatError(f"profile {source}: bad codec_id or model_fingerprint")
-    for key in ("num_layers", "channels", "n_levels", "kv_heads", "head_dim", "n_classes"):
+    for key in ("num_layers", "channels", "n_levels", "kv_heads", "head_dim", "n_classes", "head_group"):
         if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or not 1 <= meta[key] <= 1 << 16:
             raise CacheGenFormatError(f"profile {source}: bad {key}")
     if meta["kv_heads"] * meta["head_dim"] != meta["channels"] or not 2 <= meta["n_classes"] <= 256:
         raise CacheGenFormatError(f"profile {source}: kv_heads x head_dim != channels, or bad n_classes")
-    layers, heads, dim = meta["num_layers"], meta["kv_heads"], meta["head_dim"]
-    size = meta["n_levels"] * 2 * layers * meta["channels"] + 2 * layers * heads * (2 * dim * dim + 4 + 2 * dim)
+    if meta["kv_heads"] % meta["head_group"]:
+        raise CacheGenFormatError(f"profile {source}: head_group does not divide kv_heads")
+    layers, channels, groups = meta["num_layers"], meta["channels"], meta["kv_heads"] // meta["head_group"]
+    n = channels // groups
+    size = meta["n_levels"] * 2 * layers * channels + 2 * layers * (groups * (2 * n * n + 4) + 2 * channels)
     if size > MAX_PROFILE_BYTES:
         raise CacheGenFormatError(f"profile {source} claims too large a model")
     return meta
@@ -235,12 +244,13 @@ def _read_meta(data: bytes, source: str) -> dict[str, Any]:
 
 def _from_parts(tensors: dict[str, np.ndarray], meta: dict[str, Any], source: str) -> Profile:
     """A profile from its parsed tensors and checked metadata."""
-    layers, heads, dim = meta["num_layers"], meta["kv_heads"], meta["head_dim"]
+    layers, heads, dim, group = meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["head_group"]
     if set(tensors) not in ({"classes"}, {"classes", *_HALF}):
         raise CacheGenFormatError(f"profile {source} holds tensors {sorted(tensors)}")
     half = None
     if len(tensors) > 1:
-        want = {"synthesis": ((2, layers, heads, dim, dim), np.float16), "scale": ((2, layers, heads), np.float32),
+        n = group * dim
+        want = {"synthesis": ((2, layers, heads // group, n, n), np.float16), "scale": ((2, layers, heads // group), np.float32),
                 "spread": ((2, layers, heads, dim), np.float16)}  # fmt: skip
         for name, (shape, dtype) in want.items():
             t = tensors[name]

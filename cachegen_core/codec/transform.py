@@ -1,7 +1,12 @@
-"""The per-head linear transform between a head's channels and the components the codec quantises.
+"""The linear transform between a layer's KV channels and the components the codec quantises.
+
+One matrix per (kind, layer, group of heads): a group is ``group`` consecutive KV heads of a
+layer (``CodecConfig.head_group``), its ``n = group * dim`` channels in head-major order. The
+heads of a layer are projections of the same hidden state, so their channels correlate; a
+matrix across them decorrelates what one per head cannot.
 
 Transform coding under the model's own distortion measure: with ``F`` the Fisher of a
-(kind, layer, head) (``kvstats.py``; KL ~ ``e^T F e / 2``) and ``S`` the covariance of its
+(kind, layer, group) (``kvstats.py``; KL ~ ``e^T F e / 2``) and ``S`` the covariance of its
 channels about the chunk mean, the components ``c = A (x - mean)`` with
 
     F + eps * mean(diag F) * I = Lc Lc^T        (Cholesky; eps keeps every direction finite)
@@ -13,10 +18,12 @@ squared error. One uniform step for every component of every layer is then the
 rate-distortion optimum of this quadratic model (reverse water-filling: components whose
 spread is below the step get no bits at all). ``g`` is the RMS of all components, so a
 step is in units of the weighted signal's RMS. Without a Fisher (``fisher=None``) the
-same construction with ``F = I`` is a plain per-head PCA.
+same construction with ``F = I`` is a plain PCA.
 
-Decoding applies ``B``: 64 multiply-adds per element for 64-dim heads. A profile stores ``B``
-in 16 bits (``to_half``): float16 scaled per matrix, ``A`` its exact inverse (``from_half``).
+Components keep the channels' layout ``(layers, heads, tokens, dim)``: a group's ``n``
+components fill its heads' slots in order, so the rest of the codec never sees the groups.
+Decoding applies ``B``: ``n`` multiply-adds per element. A profile stores ``B`` in 16 bits
+(``to_half``): float16 scaled per matrix, ``A`` its exact inverse (``from_half``).
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class Transform:
-    """``analysis`` A and ``synthesis`` B = A^-1, float32 ``(2, layers, heads, dim, dim)``; ``spread``:
-    float32 ``(2, layers, heads, dim)``, the RMS of each component on the fitting data;
-    ``identity``: A = B = I (nothing to compute)."""
+    """``analysis`` A and ``synthesis`` B = A^-1, float32 ``(2, layers, groups, n, n)``; ``spread``:
+    float32 ``(2, layers, heads, dim)``, the RMS of each component on the fitting data (the
+    components' layout; ``heads = groups * group``, ``n = group * dim``); ``identity``: A = B = I
+    (nothing to compute)."""
 
     analysis: torch.Tensor
     synthesis: torch.Tensor
@@ -43,47 +51,111 @@ class Transform:
         shape = self.analysis.shape
         if len(shape) != 5 or shape[0] != 2 or shape[3] != shape[4] or self.synthesis.shape != shape:
             raise ValueError(f"transform matrices must be (2, layers, heads, dim, dim), got {tuple(shape)}")
-        if self.spread.shape != shape[:4]:
-            raise ValueError("spread must be (2, layers, heads, dim)")
+        sp = self.spread.shape
+        if len(sp) != 4 or sp[:2] != shape[:2] or sp[2] % shape[2] or sp[2] // shape[2] * sp[3] != shape[3]:
+            raise ValueError("spread must be (2, layers, heads, dim) with heads * dim = groups * n")
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """``(layers, heads, dim)``."""
-        return tuple(self.analysis.shape[1:4])  # type: ignore[return-value]
+        """``(layers, heads, dim)`` of the KV it codes."""
+        return tuple(self.spread.shape[1:4])  # type: ignore[return-value]
+
+    @property
+    def group(self) -> int:
+        """KV heads per matrix."""
+        return self.spread.shape[2] // self.analysis.shape[2]
 
     def analyse(self, x: torch.Tensor, kind: int) -> torch.Tensor:
         """Channels -> components: ``x`` ``(layers, heads, tokens, dim)``, centred."""
         if self.identity:
             return x
-        return torch.matmul(x, self.analysis[kind].to(x.device).transpose(-1, -2))
+        if self.group == 1:
+            return torch.matmul(x, self.analysis[kind].to(x.device).transpose(-1, -2))
+        return _grouped_matmul(x, self.analysis[kind].to(x.device), self.group)
 
     def synthesise(self, c: torch.Tensor, kind: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Components -> channels (inverse of ``analyse``), into ``out`` when given (float32, ``c``'s
         shape): a slice of a KV buffer, already faulted in, where a new tensor's pages would be."""
         if self.identity:
             return c if out is None else out.copy_(c)
-        return torch.matmul(c, self.synthesis[kind].to(c.device).transpose(-1, -2), out=out)
+        if self.group == 1:
+            return torch.matmul(c, self.synthesis[kind].to(c.device).transpose(-1, -2), out=out)
+        return _grouped_matmul(c, self.synthesis[kind].to(c.device), self.group, out)
 
 
-def fit_transform(covariance: torch.Tensor, fisher: torch.Tensor | None = None, eps: float = 0.01) -> Transform:
-    """The transform of the module docstring from ``covariance`` and ``fisher``, both ``(2, layers, heads, dim, dim)``."""
-    cov = covariance.double()
-    dim = cov.shape[-1]
-    eye = torch.eye(dim, dtype=torch.float64)
+def _grouped_matmul(x: torch.Tensor, m: torch.Tensor, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = M x`` per group of ``group`` heads, ``x`` and ``y`` in the heads' layout ``(layers, heads, tokens, dim)``,
+    ``m`` ``(layers, groups, n, n)``: one batched product per (output head, input head) block of ``M``, accumulated
+    in ``out`` (any strides whose (layer, group) dims merge; else through a temporary). No copy of ``x`` into
+    the groups' side-by-side layout: that copy cost a third of a chunk's synthesis. The same operations in the
+    same order with or without ``out``."""
+    layers, heads, tokens, dim = x.shape
+    groups = heads // group
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    try:
+        ys = [y.unflatten(1, (groups, group))[:, :, h].view(layers * groups, tokens, dim) for h in range(group)]
+    except RuntimeError:  # strides that do not merge: compute in a fresh tensor, then copy
+        return out.copy_(_grouped_matmul(x, m, group))  # type: ignore[union-attr]
+    xs = x.unflatten(1, (groups, group))
+    mt = m.transpose(-1, -2)
+    for ho, yo in enumerate(ys):
+        for hi in range(group):
+            a = xs[:, :, hi].flatten(0, 1)
+            b = mt[:, :, hi * dim : (hi + 1) * dim, ho * dim : (ho + 1) * dim].flatten(0, 1)
+            if hi == 0:
+                torch.bmm(a, b, out=yo)
+            else:
+                yo.baddbmm_(a, b)
+    return y
+
+
+def group_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``(layers, heads, tokens, dim)`` -> ``(layers, heads // group, tokens, group * dim)``: each group's
+    heads side by side (a copy unless ``group`` is 1)."""
+    if group == 1:
+        return x
+    layers, heads, tokens, dim = x.shape
+    return x.unflatten(1, (heads // group, group)).transpose(2, 3).reshape(layers, heads // group, tokens, group * dim)
+
+
+def ungroup(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Inverse of :func:`group_heads` (a copy unless ``group`` is 1)."""
+    if group == 1:
+        return x
+    layers, groups, tokens, n = x.shape
+    return x.unflatten(3, (group, n // group)).transpose(2, 3).reshape(layers, groups * group, tokens, n // group)
+
+
+def fit_transform(
+    covariance: torch.Tensor, fisher: torch.Tensor | None = None, eps: float = 0.01, *, group: int = 1
+) -> Transform:
+    """The transform of the module docstring from ``covariance`` and ``fisher``, both ``(2, layers, groups, n, n)``
+    for groups of ``group`` heads (``kvstats.py`` sums them so). The linear algebra runs in numpy (its own
+    LAPACK): torch 2.13's MKL hangs on batched LU and eigh of 192 x 192 float64 matrices after
+    ``torch.set_num_threads(2)``."""
+    cov = covariance.double().numpy()
+    eye = np.eye(cov.shape[-1])
     if fisher is None:
-        chol = eye.expand_as(cov)
+        chol = np.broadcast_to(eye, cov.shape)
     else:
-        f = fisher.double()
-        f = 0.5 * (f + f.transpose(-1, -2))
-        scale = f.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-300)
-        chol = torch.linalg.cholesky(f + eps * scale[..., None, None] * eye)
-    weighted = chol.transpose(-1, -2) @ cov @ chol
-    lam, u = torch.linalg.eigh(0.5 * (weighted + weighted.transpose(-1, -2)))
-    lam, u = lam.flip(-1).clamp_min(0), u.flip(-1)  # largest component first
-    g = lam.mean().sqrt().clamp_min(1e-30)
-    analysis = u.transpose(-1, -2) @ chol.transpose(-1, -2) / g
-    synthesis = torch.linalg.solve(chol.transpose(-1, -2), u) * g
-    return Transform(analysis.float().contiguous(), synthesis.float().contiguous(), (lam.sqrt() / g).float().contiguous())
+        f = fisher.double().numpy()
+        f = 0.5 * (f + np.swapaxes(f, -1, -2))
+        scale = np.maximum(np.diagonal(f, axis1=-2, axis2=-1).mean(-1), 1e-300)
+        chol = np.linalg.cholesky(f + eps * scale[..., None, None] * eye)
+    chol_t = np.swapaxes(chol, -1, -2)
+    weighted = chol_t @ cov @ chol
+    lam, u = np.linalg.eigh(0.5 * (weighted + np.swapaxes(weighted, -1, -2)))
+    lam, u = np.maximum(lam[..., ::-1], 0), u[..., ::-1]  # largest component first
+    g = max(float(np.sqrt(lam.mean())), 1e-30)
+    analysis = np.swapaxes(u, -1, -2) @ chol_t / g
+    synthesis = np.linalg.solve(chol_t, u) * g
+    spread = np.sqrt(lam) / g
+    spread = spread.reshape(*spread.shape[:2], spread.shape[2] * group, -1)
+
+    def f32(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+
+    return Transform(f32(analysis), f32(synthesis), f32(spread))
 
 
 @functools.lru_cache(maxsize=4)
@@ -94,9 +166,9 @@ def identity_transform(layers: int, heads: int, dim: int) -> Transform:
 
 
 def to_half(t: Transform) -> dict[str, np.ndarray]:
-    """The 16-bit stored form of ``t``: ``synthesis`` float16 ``(2, layers, heads, dim, dim)``, each
-    matrix divided by ``scale`` float32 ``(2, layers, heads)`` (its largest magnitude, so nothing
-    overflows), and ``spread`` float16."""
+    """The 16-bit stored form of ``t``: ``synthesis`` float16 ``(2, layers, groups, n, n)``, each
+    matrix divided by ``scale`` float32 ``(2, layers, groups)`` (its largest magnitude, so nothing
+    overflows), and ``spread`` float16 ``(2, layers, heads, dim)``."""
     b = t.synthesis.double()
     scale = b.abs().amax(dim=(-2, -1)).clamp_min(1e-30).float()
     half = (b / scale.double()[..., None, None]).to(torch.float16)
@@ -109,11 +181,10 @@ def from_half(synthesis: np.ndarray, scale: np.ndarray, spread: np.ndarray) -> T
     for ``A B = I`` to hold within 1e-4 in float32."""
     b = torch.from_numpy(np.asarray(synthesis, dtype=np.float16).astype(np.float32)) * torch.from_numpy(
         np.asarray(scale, dtype=np.float32))[..., None, None]
-    dim = b.shape[-1]
-    eye = torch.eye(dim, dtype=torch.float64)
-    try:
-        a64 = torch.linalg.solve(b.double(), eye.expand_as(b).clone()) if torch.isfinite(b).all() else None
-    except RuntimeError:  # torch.linalg.LinAlgError: exactly singular
+    eye = torch.eye(b.shape[-1], dtype=torch.float64)
+    try:  # numpy's LAPACK, not torch's: see fit_transform
+        a64 = torch.from_numpy(np.linalg.inv(b.double().numpy())) if torch.isfinite(b).all() else None
+    except np.linalg.LinAlgError:  # exactly singular
         a64 = None
     if a64 is None or not torch.isfinite(a64).all():
         raise ValueError("transform synthesis is not invertible")

@@ -83,9 +83,10 @@ def make_codecs(seed: int = 0) -> list[tuple[str, KVCodec, list[KVCache]]]:
     cfg = CodecConfig()
     g = torch.Generator().manual_seed(seed + 1)
     train = [KVCache(torch.randn(2, 2, 64, 4, generator=g).cumsum(2) * 0.3, torch.randn(2, 2, 64, 4, generator=g))]
-    stats = KVStats.empty(2, 2, 4)
+    stats = KVStats.empty(2, 2, 4, group=cfg.head_group(2, 4))
     stats.add_covariance(train[0], rotary=None, chunk_tokens=32, sink_tokens=cfg.sink_tokens)
-    profile = Profile.fit(cfg, train, transform=fit_transform(stats.covariance), chunk_tokens=32, model_fingerprint=FINGERPRINT)
+    transform = fit_transform(stats.covariance, group=stats.group)
+    profile = Profile.fit(cfg, train, transform=transform, chunk_tokens=32, model_fingerprint=FINGERPRINT)
     kw: dict[str, Any] = {"fingerprint": FINGERPRINT, "max_tokens": MAX_TOKENS, "limits": LIMITS}
     return [
         ("inline", KVCodec(cfg, **kw), kvs),
