@@ -50,7 +50,7 @@ class Transform:
     def __post_init__(self) -> None:
         shape = self.analysis.shape
         if len(shape) != 5 or shape[0] != 2 or shape[3] != shape[4] or self.synthesis.shape != shape:
-            raise ValueError(f"transform matrices must be (2, layers, heads, dim, dim), got {tuple(shape)}")
+            raise ValueError(f"transform matrices must be (2, layers, groups, n, n), got {tuple(shape)}")
         sp = self.spread.shape
         if len(sp) != 4 or sp[:2] != shape[:2] or sp[2] % shape[2] or sp[2] // shape[2] * sp[3] != shape[3]:
             raise ValueError("spread must be (2, layers, heads, dim) with heads * dim = groups * n")
@@ -116,14 +116,6 @@ def group_heads(x: torch.Tensor, group: int) -> torch.Tensor:
         return x
     layers, heads, tokens, dim = x.shape
     return x.unflatten(1, (heads // group, group)).transpose(2, 3).reshape(layers, heads // group, tokens, group * dim)
-
-
-def ungroup(x: torch.Tensor, group: int) -> torch.Tensor:
-    """Inverse of :func:`group_heads` (a copy unless ``group`` is 1)."""
-    if group == 1:
-        return x
-    layers, groups, tokens, n = x.shape
-    return x.unflatten(3, (group, n // group)).transpose(2, 3).reshape(layers, groups * group, tokens, n // group)
 
 
 def fit_transform(
