@@ -116,7 +116,8 @@ def test_default_forms_stored(tiny_llama, tiny_tokenizer):
     model = make_tiny_llama(dtype=torch.float16)
     assert KVEngine(model, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["lossless", 1]
     assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["raw", 1]
-    assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), slo_s=1.0, background=False).store_options == ["raw", 1, 3]
+    timed = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), slo_s=1.0, background=False)
+    assert timed.store_options == ["raw", 1, 4] and timed.codec.levels[-1] == 4  # the coarsest level
     assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), level="raw", background=False).store_options == ["raw"]
 
 
