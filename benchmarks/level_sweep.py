@@ -51,6 +51,7 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
     from cachegen_core.codec.profile import Profile  # noqa: PLC0415
     from cachegen_core.codec.rotary import RotarySpec  # noqa: PLC0415
     from cachegen_core.codec.transform import fit_transform  # noqa: PLC0415
+    from cachegen_core.engine.hf import kv_geometry  # noqa: PLC0415
 
     levels = DEFAULT_LEVELS + tuple(args.extra)
     config = CodecConfig(levels=levels)
@@ -58,8 +59,7 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
     rotary = RotarySpec.from_model(model)
     records = read_jsonl(args.data)
     ids = [tok(r["prompt"])["input_ids"][: args.train_tokens] for r in records[args.train_first : args.train_last]]
-    cfg = model.config
-    heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _, heads, dim = kv_geometry(model.config)
     stats = kv_statistics(model, ids, rotary=rotary, contexts=(1536, 4096), group=config.head_group(heads, dim))
     transform = fit_transform(stats.covariance, stats.fisher, config.fisher_eps, group=stats.group)
     train = (context_kv(model, x) for x in ids)
