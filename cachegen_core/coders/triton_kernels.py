@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 
 LANES = 16
-ERR_SHORT, ERR_STATE, ERR_TRAILING, ERR_FINAL, ERR_SYMBOL = -1, -2, -3, -4, -6
+# kernels read module globals only as constexpr (the interpreter accepts plain ints, the compiler does not)
+ERR_SHORT, ERR_STATE, ERR_TRAILING = tl.constexpr(-1), tl.constexpr(-2), tl.constexpr(-3)
+ERR_FINAL, ERR_SYMBOL = tl.constexpr(-4), tl.constexpr(-6)
 
 
 @triton.jit

@@ -1,0 +1,58 @@
+"""Compile every configuration of the GPU decoder's Triton kernels for an H100 (sm_90) to machine code, on a
+machine without a GPU: ``python -m tests.triton_compile``; one line per kernel configuration, exit 1 on the
+first that does not compile. Run without ``TRITON_INTERPRET`` (the interpreter accepts code the compiler
+refuses: ``tests/test_triton_compile.py``)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+KV_TYPES = {"steps": "*fp32", "means": "*fp32", "cos": "*fp32", "sin": "*fp32", "stride_l": "i64", "stride_h": "i64",
+            "stride_t": "i64", "first_token": "i32", "layers": "i32", "heads": "i32", "min_symbol": "i32"}  # fmt: skip
+COMMON = {"words": "*i16", "word_off": "*i64", "sym_off": "*i64", "order": "*i64", "prog_rounds": "*i64", "n_streams": "i32",
+          "table_ids": "*i32", "ids_stride": "i32", "period": "i32", "info": "*u32", "alphabet": "i32", "status": "*i32"}  # fmt: skip
+
+
+def configurations() -> list[tuple[str, dict[str, str], dict[str, object]]]:
+    """(kernel, pointer and scalar types, constexprs) as ``TritonDecoder._run`` launches them (its default streams
+    per program; the 256-symbol alphabet; every head-dim case of the rotary pairing; float32, float16 and
+    bfloat16 outputs, the components' float32 without the mean)."""
+    from cachegen_core.coders.triton_decoder import _gpu_streams  # noqa: PLC0415
+
+    base = {"S": _gpu_streams(), "STEPS": 8, "POW2": True}
+    out = [("decode_symbols_kernel", {**COMMON, "out": "*u8"}, base)]
+    for head_dim, rot in ((8, 1), (16, 1), (64, 2), (128, 2), (128, 0), (256, 2)):
+        r = max(1, head_dim // 32)
+        for add_mean, kind in ((True, "*i16"), (True, "*fp16"), (True, "*fp32"), (False, "*fp32")):
+            meta = {"HEAD_DIM": head_dim, "ROT": rot, "R": 1 << (r - 1).bit_length(), "ADD_MEAN": add_mean, "BF16": kind == "*i16"}
+            out.append(("decode_kv_kernel", {**COMMON, **KV_TYPES, "out_k": kind, "out_v": kind}, {**base, **meta}))
+    return out
+
+
+def main() -> int:
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    from cachegen_core.coders import triton_kernels  # noqa: PLC0415
+
+    if "constexprs" not in inspect.signature(ASTSource).parameters:
+        print(f"SKIP: Triton {triton.__version__}'s ASTSource takes no constexprs")
+        return 0
+    for name, types, consts in configurations():
+        fn = getattr(triton_kernels, name)
+        signature = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=consts)
+        warps = max(1, int(consts["S"]) * 16 // 32)  # type: ignore[call-overload]
+        try:
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
+        except Exception as e:  # the compiler's own error types vary across Triton versions
+            print(f"FAIL {name} {consts}: {type(e).__name__}: {e}")
+            return 1
+        print(f"ok {name} {consts} cubin={len(kernel.asm['cubin'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
