@@ -12,7 +12,6 @@ import contextlib
 import math
 import mmap
 import threading
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -114,8 +113,9 @@ def upload(*arrays: np.ndarray, device: torch.device | str) -> list[torch.Tensor
     return [whole[at : at + a.size] for a, at in zip(flat, starts)]
 
 
-#: Host copies of device KV still being made (``to_host``), by their keys tensor.
-_copies: weakref.WeakKeyDictionary[torch.Tensor, Any] = weakref.WeakKeyDictionary()
+#: The attribute of a ``to_host`` copy's keys tensor holding the CUDA event its copy ends with. Not a dict keyed by
+#: tensors: looking up a tensor key compares tensors with ``==``, which raises for any of more than one element.
+_COPY_EVENT = "_cachegen_copy_done"
 
 
 def to_host(kv: KVCache) -> KVCache:
@@ -129,13 +129,13 @@ def to_host(kv: KVCache) -> KVCache:
     host.values.copy_(kv.values, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(kv.keys.device))
-    _copies[host.keys] = done
+    setattr(host.keys, _COPY_EVENT, done)
     return host
 
 
 def host_ready(kv: KVCache) -> KVCache:
     """``kv``, once the copy ``to_host`` started into it is done (at once for anything else)."""
-    done = _copies.pop(kv.keys, None)
+    done = kv.keys.__dict__.pop(_COPY_EVENT, None)
     if done is not None:
         done.synchronize()
     return kv

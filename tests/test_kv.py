@@ -87,3 +87,22 @@ def test_a_spare_buffer_is_reused_when_free_and_never_shared():
         assert d.data_ptr() != kept
     with spare.take(big, torch.float32) as e:  # the larger one is kept from now on
         assert e.data_ptr() == d.data_ptr()
+
+
+def test_host_ready_waits_for_a_to_host_copy_once_and_forgets_it():
+    """``to_host`` marks its pinned copy with the CUDA event the copy ends with; ``host_ready`` waits on it once.
+    On a GPU the marks were a dict keyed by tensors, whose lookup compared tensors with ``==`` and raised for
+    every chunk stored from a GPU (found on an H100, 2026-11-28); an event's stand-in records the waits here."""
+    from cachegen_core.kv import _COPY_EVENT, host_ready, to_host
+
+    class Event:
+        waits = 0
+
+        def synchronize(self) -> None:
+            Event.waits += 1
+
+    kv = KVCache(torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4))
+    assert to_host(kv) is kv  # host memory already: no copy, no mark
+    setattr(kv.keys, _COPY_EVENT, Event())
+    assert host_ready(kv) is kv and Event.waits == 1
+    assert host_ready(kv) is kv and Event.waits == 1  # waited for once, then forgotten
