@@ -95,8 +95,7 @@ class KVCodec:
 
     @property
     def levels(self) -> list[int]:
-        """Level numbers, 0 = finest (near-lossless) .. n-1 = most aggressive."""
-        return list(range(self.config.n_levels))
+        return list(range(self.config.n_levels))  # 0 = finest (near-lossless) .. n-1 = most aggressive
 
     @property
     def codec_id(self) -> str:
@@ -128,8 +127,9 @@ class KVCodec:
         return self._pack(p, self._coder().encode(p.symbols, p.layout, p.freqs))
 
     def prepare(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> Prepared:
-        """Quantise ``kv`` and lay out its symbols for the coder (everything ``encode`` does but coding)."""
+        """Quantise ``kv`` and lay out its symbols for the coder (``encode`` but the coding; on the CPU, a GPU's KV copied)."""
         level = self.config.default_level if level is None else level
+        kv = kv if kv.keys.device.type == "cpu" else KVCache(kv.keys.cpu(), kv.values.cpu())
         if level not in self.levels:
             raise ValueError(f"level {level} not in {self.levels}")
         if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= MAX_START:
