@@ -65,13 +65,30 @@ class Transform:
         """KV heads per matrix."""
         return self.spread.shape[2] // self.analysis.shape[2]
 
+    @functools.cached_property
+    def synthesis_magnitude(self) -> torch.Tensor:
+        """``|B|``, float32: what ``pipeline.magnitude_bound`` multiplies each chunk's steps by (made once, not per chunk)."""
+        return self.synthesis.abs()
+
+    def matrices(self, which: str, kind: int, device: torch.device) -> torch.Tensor:
+        """``analysis`` or ``synthesis`` of ``kind`` on ``device``: copied to a GPU once, not per chunk (a 7B model's
+        are 67 MB per kind)."""
+        m = getattr(self, which)
+        if device.type == "cpu":
+            return m[kind]
+        cache = self.__dict__.setdefault("_on_device", {})  # (which, device) -> copy; a race only copies twice
+        key = (which, str(device))
+        if key not in cache:
+            cache[key] = m.to(device)
+        return cache[key][kind]
+
     def analyse(self, x: torch.Tensor, kind: int) -> torch.Tensor:
         """Channels -> components: ``x`` ``(layers, heads, tokens, dim)``, centred."""
         if self.identity:
             return x
         if self.group == 1:
-            return torch.matmul(x, self.analysis[kind].to(x.device).transpose(-1, -2))
-        return _grouped_matmul(x, self.analysis[kind].to(x.device), self.group)
+            return torch.matmul(x, self.matrices("analysis", kind, x.device).transpose(-1, -2))
+        return _grouped_matmul(x, self.matrices("analysis", kind, x.device), self.group)
 
     def synthesise(self, c: torch.Tensor, kind: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Components -> channels (inverse of ``analyse``), into ``out`` when given (float32, ``c``'s
@@ -79,8 +96,8 @@ class Transform:
         if self.identity:
             return c if out is None else out.copy_(c)
         if self.group == 1:
-            return torch.matmul(c, self.synthesis[kind].to(c.device).transpose(-1, -2), out=out)
-        return _grouped_matmul(c, self.synthesis[kind].to(c.device), self.group, out)
+            return torch.matmul(c, self.matrices("synthesis", kind, c.device).transpose(-1, -2), out=out)
+        return _grouped_matmul(c, self.matrices("synthesis", kind, c.device), self.group, out)
 
 
 def _grouped_matmul(x: torch.Tensor, m: torch.Tensor, group: int, out: torch.Tensor | None = None) -> torch.Tensor:
