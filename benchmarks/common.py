@@ -228,7 +228,8 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.dtype 
 
     ``llama-7b-shaped`` (or ``llama-shaped:layers=2,hidden=256,...``, any keys of :data:`SHAPE_7B`): a Llama of
     that shape with random weights (seed 0) and the reference model's tokenizer, built on ``device`` in ``dtype``
-    (default bfloat16): for timing only, its outputs mean nothing.
+    (default bfloat16): for timing only, its outputs mean nothing. ``$CACHEGEN_TOKENIZER_DIR``, when set, is the
+    tokenizer's directory instead (a machine without the reference model, e.g. a GPU box).
     """
     from cachegen_core.models import load_model
 
@@ -258,7 +259,8 @@ def shaped_model(spec: str, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
         if key not in shape:
             raise ValueError(f"unknown shape key {key!r} in {spec!r} (known: {sorted(shape)})")
         shape[key] = int(value)
-    tok = AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL), local_files_only=True)  # its tokenizer alone
+    source = os.environ.get("CACHEGEN_TOKENIZER_DIR") or resolve_model(DEFAULT_MODEL)
+    tok = AutoTokenizer.from_pretrained(source, local_files_only=True)  # its tokenizer alone
     config = LlamaConfig(vocab_size=len(tok), hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
                          num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
                          num_key_value_heads=shape["kv_heads"], max_position_embeddings=32768, rope_theta=1e6,

@@ -67,12 +67,12 @@ DEFAULT_STORES = ["memory", "disk", "redis", "redis@1gbps", "redis@0.2gbps"]
 # ------------------------------------------------------------------ the naive formats
 def pack_fp16(kv: KVCache) -> bytes:
     """Keys then values as fp16, C order (what a user storing "the KV" writes)."""
-    return b"".join(x.to(torch.float16).contiguous().numpy().tobytes() for x in (kv.keys, kv.values))
+    return b"".join(x.to(torch.float16).contiguous().cpu().numpy().tobytes() for x in (kv.keys, kv.values))
 
 
 def unpack_fp16(blob: bytes, out: KVCache) -> None:
     n = out.keys.numel()
-    x = torch.from_numpy(np.frombuffer(blob, dtype=np.float16, count=2 * n))
+    x = torch.from_numpy(np.frombuffer(blob, dtype=np.float16, count=2 * n)).to(out.keys.device)  # 16 bits moved, converted there
     out.keys.copy_(x[:n].view(out.keys.shape))
     out.values.copy_(x[n:].view(out.values.shape))
 
@@ -86,7 +86,7 @@ def pack_uniform8(kv: KVCache) -> bytes:
         lo = x.amin(dim=dim, keepdim=True).half().float()
         step = ((x.amax(dim=dim, keepdim=True) - lo) / 255).clamp_min(1e-8).half().float()
         q = torch.round((x - lo) / step).clamp_(0, 255).to(torch.uint8)
-        parts += [q.numpy().tobytes(), lo.half().numpy().tobytes(), step.half().numpy().tobytes()]
+        parts += [t.cpu().numpy().tobytes() for t in (q, lo.half(), step.half())]
     return b"".join(parts)
 
 
@@ -95,9 +95,9 @@ def unpack_uniform8(blob: bytes, out: KVCache) -> None:
     at = 0
     for x, pshape in ((out.keys, (layers, heads, 1, dim)), (out.values, (layers, heads, tokens, 1))):
         n, m = x.numel(), int(np.prod(pshape))
-        q = torch.from_numpy(np.frombuffer(blob, np.uint8, n, at)).view(x.shape)
-        lo = torch.from_numpy(np.frombuffer(blob, np.float16, m, at + n)).view(pshape)
-        step = torch.from_numpy(np.frombuffer(blob, np.float16, m, at + n + 2 * m)).view(pshape)
+        q = torch.from_numpy(np.frombuffer(blob, np.uint8, n, at)).view(x.shape).to(x.device)  # 8 bits moved, not 32
+        lo = torch.from_numpy(np.frombuffer(blob, np.float16, m, at + n)).view(pshape).to(x.device)
+        step = torch.from_numpy(np.frombuffer(blob, np.float16, m, at + n + 2 * m)).view(pshape).to(x.device)
         x.copy_(q.float() * step.float() + lo.float())
         at += n + 4 * m
 
