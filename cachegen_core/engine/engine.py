@@ -247,14 +247,18 @@ class KVEngine:
         controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token, allow_text=self.allow_text,
                                 floor=self.level, serial=getattr(self.store, "local", False))  # fmt: skip
         partials = [self._partials(a) for a in arrays] if 0 < self.partial_step < self.chunk_tokens else None
-        covered = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
-                                     estimator=self.estimator, prefill=self._prefill, partials=partials)  # fmt: skip
+        spans = [document_spans(p) for p in prompts]
+        documents = self.documents is not None and any(spans)
+        # one prompt, no deadline, no documents: text chunks that end the stream are prefilled with the prompt's rest
+        defer = len(prompts) == 1 and self.slo_s is None and not documents
+        streamed = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
+                                      estimator=self.estimator, prefill=self._prefill, partials=partials, defer_text=defer)  # fmt: skip
+        covered = [c for c, _ in streamed]  # found in the store: not stored again
         for done, info in zip(covered, infos):
             info.partial_tokens = done % self.chunk_tokens
-        spans = [document_spans(p) for p in prompts]
-        reused = [Reused(done, len(ids)) for ids, done in zip(all_ids, covered)]
-        if self.documents is not None and any(spans):
-            reused = self.documents.reuse(all_ids, spans, buffers, covered, infos, controller)
+        reused = [Reused(filled, len(ids)) for ids, (_, filled) in zip(all_ids, streamed)]
+        if documents:
+            reused = self.documents.reuse(all_ids, spans, buffers, [f for _, f in streamed], infos, controller)  # type: ignore[union-attr]
         return all_ids, all_chunks, buffers, covered, reused, infos
 
     def _answer(self, prompts: list[str | Sequence[int]], generation_kwargs: dict[str, Any], streamer: Any = None,
