@@ -194,6 +194,16 @@ class Context:
                 store.put(f"{prefix}{fmt}-{i}", pack(self.kv.slice(i * self.chunk_tokens, (i + 1) * self.chunk_tokens)))
 
 
+def settled(engine: KVEngine) -> KVEngine:
+    """``engine`` once the profile it may be fitting in the background (a model without one) is done: its fit
+    would share the device and cores with every row timed (the engine keeps coding without it)."""
+    if engine.profile_fitter is not None:
+        t = time.perf_counter()
+        engine.profile_fitter.done.wait()
+        print(f"# waited {time.perf_counter() - t:.0f} s for the background profile fit", file=sys.stderr)
+    return engine
+
+
 def engine_ttft(engine: KVEngine, ids: list[int]) -> dict[str, Any]:
     _, info = engine.generate(ids, max_new_tokens=1)
     if info.errors:
@@ -264,7 +274,7 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
     results: dict[str, list[dict[str, Any]]] = {}
     bounds: dict[str, list[float]] = {}
     with open_store(kind, url) as store:
-        engines = {"cachegen-auto": KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens)}
+        engines = {"cachegen-auto": settled(KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens))}
         codec = engines["cachegen-auto"].codec
         for lv in codec.levels:
             engines[f"cachegen-{lv}"] = KVEngine(model, tok, codec, store, chunk_tokens=args.chunk_tokens, level=lv,
@@ -334,7 +344,7 @@ def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, token
     """Cold requests on distinct contexts, storing vs not storing, on a warm engine: the overhead of storing."""
     prompts = [Context(model, tok, t, tokens, args.chunk_tokens).ids for t in texts]
     with open_store(kind, url) as store:
-        storing = KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens)
+        storing = settled(KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens))
         plain = KVEngine(model, tok, storing.codec, _NoStore(), chunk_tokens=args.chunk_tokens, background=False)  # type: ignore[arg-type]
         plain.writer.submit = lambda chunk, kv: False  # type: ignore[method-assign]  # storing off: every chunk dropped
         plain.generate(prompts[0][:64], max_new_tokens=1)  # warm engines: first-call costs paid
