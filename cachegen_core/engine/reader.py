@@ -270,7 +270,7 @@ class ChunkReader:
         one stored extends the run (:meth:`lookup_partial`). ``defer_text`` (one prompt, no deadline):
         text chunks are prefilled after the stream, each run of them in one pass, and a run that
         ends the stream not at all: the generation prefills it with the rest of the prompt in one pass
-        (chunk by chunk, a prompt recomputed whole cost an H100 0.34 s against 0.25 s).
+        (chunk by chunk, a small model's prompt recomputed whole took 2 cores 5.2 s against 2.2 s).
         """
         runs, manifests, owner = [], {}, {}
         for p, ((ids, chunks, _), info) in enumerate(zip(prompts, infos)):
