@@ -18,14 +18,13 @@ def configurations() -> list[tuple[str, dict[str, str], dict[str, object]]]:
     """(kernel, pointer and scalar types, constexprs) as ``TritonDecoder._run`` launches them (its default streams
     per program; the 256-symbol alphabet; every head-dim case of the rotary pairing; float32, float16 and
     bfloat16 outputs, the components' float32 without the mean)."""
-    from cachegen_core.coders.triton_decoder import _gpu_streams  # noqa: PLC0415
+    from cachegen_core.coders.triton_decoder import _gpu_streams, kv_meta  # noqa: PLC0415
 
     base = {"S": _gpu_streams(), "STEPS": 8, "POW2": True}
     out = [("decode_symbols_kernel", {**COMMON, "out": "*u8"}, base)]
-    for head_dim, rot in ((8, 1), (16, 1), (64, 2), (128, 2), (128, 0), (256, 2)):
-        r = max(1, head_dim // 32)
+    for head_dim, rotary in ((8, True), (16, True), (64, True), (128, True), (128, False), (256, True)):
         for add_mean, kind in ((True, "*i16"), (True, "*fp16"), (True, "*fp32"), (False, "*fp32")):
-            meta = {"HEAD_DIM": head_dim, "ROT": rot, "R": 1 << (r - 1).bit_length(), "ADD_MEAN": add_mean, "BF16": kind == "*i16"}
+            meta = kv_meta(head_dim, rotary=rotary, add_mean=add_mean, bf16=kind == "*i16")
             out.append(("decode_kv_kernel", {**COMMON, **KV_TYPES, "out_k": kind, "out_v": kind}, {**base, **meta}))
     return out
 
@@ -36,6 +35,7 @@ def main() -> int:
     from triton.compiler import ASTSource  # noqa: PLC0415
 
     from cachegen_core.coders import triton_kernels  # noqa: PLC0415
+    from cachegen_core.coders.triton_decoder import gpu_options  # noqa: PLC0415
 
     if "constexprs" not in inspect.signature(ASTSource).parameters:
         print(f"SKIP: Triton {triton.__version__}'s ASTSource takes no constexprs")
@@ -44,9 +44,8 @@ def main() -> int:
         fn = getattr(triton_kernels, name)
         signature = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=consts)
-        warps = max(1, int(consts["S"]) * 16 // 32)  # type: ignore[call-overload]
         try:
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=gpu_options(int(consts["S"])))  # type: ignore[call-overload]
         except Exception as e:  # the compiler's own error types vary across Triton versions
             print(f"FAIL {name} {consts}: {type(e).__name__}: {e}")
             return 1

@@ -151,8 +151,7 @@ class TritonDecoder:
         here = keys.device.type == self.device.type and (self.device.index is None or keys.device == self.device)
         if keys.device != values.device or not here or keys.dtype != values.dtype:
             raise CoderError("keys and values must be tensors of one dtype on the decoder's device")
-        rot = 0 if cos_sin is None else (1 if 16 % head_dim == 0 else 2)
-        self._kv(data, offsets, layout, freqs, keys, values, heads, head_dim, min_symbol, step, mean, cos_sin, rot, first_token)
+        self._kv(data, offsets, layout, freqs, keys, values, heads, head_dim, min_symbol, step, mean, cos_sin, first_token)
 
     def decode_components(self, data: np.ndarray, offsets: np.ndarray, layout: StreamLayout, freqs: np.ndarray, *,
                           layers: int, heads: int, head_dim: int, coded_tokens: int, min_symbol: int,
@@ -160,13 +159,13 @@ class TritonDecoder:
         """Decode substreams of whole tokens into float32 components ``(s - 128) * step``, ``(2, layers, heads,
         coded_tokens, head_dim)`` on this device (what ``fused.decode_components`` gives on the CPU)."""
         out = torch.empty((2, layers, heads, coded_tokens, head_dim), dtype=torch.float32, device=self.device)
-        self._kv(data, offsets, layout, freqs, out[0], out[1], heads, head_dim, min_symbol, step, None, None, 0, 0)
+        self._kv(data, offsets, layout, freqs, out[0], out[1], heads, head_dim, min_symbol, step, None, None, 0)
         return out
 
     # ------------------------------------------------------------------ launching
     def _kv(self, data: np.ndarray, offsets: np.ndarray, layout: StreamLayout, freqs: np.ndarray, keys: torch.Tensor,
             values: torch.Tensor, heads: int, head_dim: int, min_symbol: int, step: torch.Tensor, mean: torch.Tensor | None,
-            cos_sin: tuple[torch.Tensor, torch.Tensor] | None, rot: int, first_token: int) -> None:  # fmt: skip
+            cos_sin: tuple[torch.Tensor, torch.Tensor] | None, first_token: int) -> None:  # fmt: skip
         layers, tokens = keys.shape[0], layout.n_symbols // max(layout.period, 1)
         period = 2 * layers * heads * head_dim
         off = layout.offsets
@@ -188,9 +187,8 @@ class TritonDecoder:
             raise CoderError(f"the Triton KV decoder writes float32, float16 or bfloat16, not {keys.dtype}")
         bf16 = keys.dtype == torch.bfloat16
         k, v = (x.view(torch.int16) if bf16 else x for x in (keys, values))  # bfloat16 rounded by the kernel itself
-        r = max(1, head_dim // 32)
         args = (*f32, *cs, k, v, keys.stride(0), keys.stride(1), keys.stride(2), first_token, layers, heads, min_symbol)
-        meta = {"HEAD_DIM": head_dim, "ROT": rot, "R": 1 << (r - 1).bit_length(), "ADD_MEAN": mean is not None, "BF16": bf16}
+        meta = kv_meta(head_dim, rotary=cos_sin is not None, add_mean=mean is not None, bf16=bf16)
         self._run(self._k.decode_kv_kernel, data, offsets, layout, freqs, args, meta)
 
     def _run(self, kernel: Any, data: np.ndarray, offsets: np.ndarray, layout: StreamLayout, freqs: np.ndarray,
@@ -224,7 +222,7 @@ class TritonDecoder:
         steps = max(1, (alphabet - 1).bit_length())
         launch: dict[str, Any] = {"S": per, "STEPS": steps, "POW2": alphabet == 1 << steps, **meta}
         if dev.type == "cuda":
-            launch.update(num_warps=max(1, per * 16 // 32), enable_fp_fusion=False)  # kv_core.h: one rounding per op
+            launch.update(gpu_options(per))
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else []
         t = time.perf_counter()
         try:
@@ -245,6 +243,20 @@ class TritonDecoder:
             if code == -6:
                 raise CacheGenFormatError(f"substream {int(bad[0])}: symbol out of range")
             raise CoderError(f"Triton decode failed: substream {int(bad[0])}: {describe(code)}")
+
+
+def kv_meta(head_dim: int, *, rotary: bool, add_mean: bool, bf16: bool) -> dict[str, Any]:
+    """``decode_kv_kernel``'s compile-time parameters (``triton_kernels.py``): the rotary pairing (``ROT`` 1: a
+    pair in one round of 16, 2: ``R`` rounds apart in one lane), the mean, bfloat16 rounding."""
+    r = max(1, head_dim // 32)
+    rot = 0 if not rotary else (1 if 16 % head_dim == 0 else 2)
+    return {"HEAD_DIM": head_dim, "ROT": rot, "R": 1 << (r - 1).bit_length(), "ADD_MEAN": add_mean, "BF16": bf16}
+
+
+def gpu_options(streams_per_program: int) -> dict[str, Any]:
+    """Compiler options of a GPU launch: a warp per two substreams of 16 lanes, no fused multiply-adds
+    (``kv_core.h``: one rounding per operation)."""
+    return {"num_warps": max(1, streams_per_program * 16 // 32), "enable_fp_fusion": False}
 
 
 def _gpu_streams() -> int:
