@@ -269,6 +269,9 @@ class KVEngine:
             for i, (prompt, ids, chunks, buffer, done, r, info) in enumerate(zip(prompts, *self._reuse(prompts, new_tokens))):
                 text, cache = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer,
                                                  computed=r.computed, cancel=cancel)  # fmt: skip
+                if done > r.filled:  # text chunks left to the generation's pass count as reused, as when the stream prefills them
+                    info.cached_tokens = min(done, len(ids) - 1)
+                    info.recomputed_tokens = len(ids) - info.cached_tokens
                 if cache is not None:  # None: cancelled before the prompt was computed, nothing to store
                     queued = self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt))
                     if self.documents is not None and r.missing:
