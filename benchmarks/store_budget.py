@@ -101,7 +101,9 @@ def measure(model: Any, tok: Any, contexts: list[list[int]], question: list[int]
     prefill: list[tuple[int, int, float]] = []
     stream: dict[Any, list[tuple[int, float]]] = {RAW: [], LEVEL: []}
     size: dict[Any, list[tuple[int, int]]] = {RAW: [], LEVEL: []}
-    pinned = {f: KVEngine(model, tok, store=MemoryStore(), level=f, store_options=[f], background=False, blend=None) for f in (RAW, LEVEL)}
+    # text off: each engine streams its one form (on a tiny model the controller may rightly prefer recomputing)
+    pinned = {f: KVEngine(model, tok, store=MemoryStore(), level=f, store_options=[f], background=False, blend=None, allow_text=False)
+              for f in (RAW, LEVEL)}
     for n, ids in enumerate(contexts):
         prompt = ids + question
         eng = pinned[RAW]
