@@ -101,16 +101,17 @@ def test_a_profile_round_trips_through_bytes_and_is_compact(tiny_llama):
     assert torch.equal(back.transform.synthesis, prof.transform.synthesis)
     L, H, D = 3, 2, 16
     assert prof.transform.group == prof.meta["head_group"] == 2  # both heads in one matrix (32 channels <= 256)
-    # classes one byte per (level, kind, layer, component); the transform 2 bytes per matrix entry
-    assert len(data) < 4 * 2 * L * H * D + 2 * 2 * L * (H * D) ** 2 + 2 * 2 * L * H * D + 4 * 2 * L + 2048
+    # classes one byte per (level, kind, layer, component); the transform at most 8 bits per matrix entry (3-8 a
+    # column) and per component a width, a column scale and a spread (7 bytes)
+    assert len(data) < 4 * 2 * L * H * D + 2 * L * (H * D) ** 2 + 7 * 2 * L * H * D + 2048
     with pytest.raises(CacheGenFormatError):
         Profile.from_bytes(data[:-10])
-    old = json.loads(json.dumps(prof.meta))
-    old["format"] = "cachegen-profile-v2"
     from safetensors.numpy import save
 
-    with pytest.raises(CacheGenFormatError, match="refit it with `cachegen profile`"):
-        Profile.from_bytes(save({"classes": np.array(prof.classes)}, metadata={"cachegen_profile": json.dumps(old)}))
+    for fmt in ("cachegen-profile-v2", "cachegen-profile-v4"):  # v4: the transform in float16
+        old = dict(json.loads(json.dumps(prof.meta)), format=fmt)
+        with pytest.raises(CacheGenFormatError, match=f"is a '{fmt}' file, this build reads cachegen-profile-v5: refit it with `cachegen profile`"):
+            Profile.from_bytes(save({"classes": np.array(prof.classes)}, metadata={"cachegen_profile": json.dumps(old)}))
 
 
 def test_a_stale_profile_is_reported_once_with_the_refit_command(tmp_path, caplog):

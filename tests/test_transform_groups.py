@@ -114,7 +114,7 @@ def test_a_profile_whose_transform_groups_other_heads_than_its_config_is_refused
     from safetensors.numpy import save
 
     meta = dict(good.meta, head_group=1)  # a file whose metadata disagrees with its matrices' shape
-    data = save({"classes": good.classes, **good.half}, metadata={"cachegen_profile": json.dumps(meta)})
+    data = save({"classes": good.classes, **good.stored}, metadata={"cachegen_profile": json.dumps(meta)})
     with pytest.raises(CacheGenFormatError, match="transform"):
         Profile.from_bytes(data)
 
@@ -128,10 +128,10 @@ def test_fitting_and_loading_a_wide_group_do_not_hang_after_set_num_threads():
     code = """
 import torch
 torch.set_num_threads(2)
-from cachegen_core.codec.transform import fit_transform, from_half, to_half
+from cachegen_core.codec.transform import fit_transform, from_stored, to_stored
 a = torch.randn(2, 1, 1, 256, 256, dtype=torch.float64)
 cov = a @ a.transpose(-1, -2) + torch.eye(256, dtype=torch.float64)
-tf = from_half(**to_half(fit_transform(cov, cov, 1.0, group=2)))
+tf = from_stored(**to_stored(fit_transform(cov, cov, 1.0, group=2)))
 err = (tf.analysis.double() @ tf.synthesis.double() - torch.eye(256, dtype=torch.float64)).abs().max().item()
 print(tf.group, tf.shape, err < 1e-4)
 """

@@ -4,10 +4,10 @@
   (``classes.py``) codes it, picked from the symbols of the fitting contexts;
 - the transform between channels and components, one matrix per group of a layer's heads
   (``transform.py``), fitted from the KV's covariance and the model's Fisher (``kvstats.py``),
-  stored in 16 bits;
+  stored with about 6 bits an entry (``transform.to_stored``);
 - the model's rotary embedding (``rotary.py``) when keys are coded before it.
 
-Shared by every cache of that model: about 4.5 MB for the reference model (30 layers of
+Shared by every cache of that model: about 1.8 MB for the reference model (30 layers of
 3 KV heads x 64, one 192 x 192 matrix per layer and kind), whatever the number of tables. Saved as safetensors + JSON metadata
 (``to_bytes``, ``from_bytes``): no object serialisation, so a profile can be read from a
 file or a shared store alike. Its id is a hash of its content, so a blob coded with one
@@ -31,14 +31,14 @@ from ..kv import KVCache
 from .pipeline import components, quantise
 from .quantize import ALPHABET
 from .rotary import RotarySpec
-from .transform import Transform, from_half, identity_transform, to_half
+from .transform import Transform, from_stored, identity_transform, to_stored
 
-PROFILE_FORMAT = "cachegen-profile-v4"
+PROFILE_FORMAT = "cachegen-profile-v5"
 #: Formats of earlier builds: named when met, so that the user is told to refit.
-OLD_FORMATS = ("cachegen-profile-v2", "cachegen-profile-v3")
-#: Largest profile accepted (sum of its tensors' bytes); the reference model's is ~4.5 MB, a 7B GQA's ~34 MB.
+OLD_FORMATS = ("cachegen-profile-v2", "cachegen-profile-v3", "cachegen-profile-v4")
+#: Largest profile accepted (sum of its tensors' bytes); the reference model's is ~1.8 MB, a 7B GQA's ~13 MB.
 MAX_PROFILE_BYTES = 1 << 30
-_HALF = ("synthesis", "scale", "spread")
+_STORED = ("synthesis", "widths", "column_scale", "spread")
 
 
 def symbol_histogram(symbols: torch.Tensor) -> torch.Tensor:
@@ -54,12 +54,13 @@ class Profile:
     """Classes, transform and rotary embedding of one model under one codec configuration.
 
     ``classes``: uint8 ``(n_levels, 2, layers, channels)``, each < ``n_classes``. ``transform``
-    (None: components are channels) is kept as stored, in 16 bits (``transform.to_half``).
+    (None: components are channels) is kept as stored (``stored``: ``transform.to_stored``), and used as
+    stored, by encoders and decoders alike.
     ``origin``: where it came from, for people (logs, the demo); not part of its id.
     """
 
     def __init__(
-        self, classes: np.ndarray, meta: dict[str, Any], half: dict[str, np.ndarray] | None = None, rotary: RotarySpec | None = None
+        self, classes: np.ndarray, meta: dict[str, Any], stored: dict[str, np.ndarray] | None = None, rotary: RotarySpec | None = None
     ) -> None:
         self.meta = dict(meta)
         shape = (int(meta["n_levels"]), 2, int(meta["num_layers"]), int(meta["channels"]))
@@ -70,11 +71,11 @@ class Profile:
             raise CacheGenFormatError(f"profile classes must be < {self.n_classes}")
         self.classes = np.ascontiguousarray(classes)
         self.classes.flags.writeable = False
-        self.half = half
+        self.stored = stored
         self.transform: Transform | None = None
-        if half is not None:
+        if stored is not None:
             try:
-                self.transform = from_half(half["synthesis"], half["scale"], half["spread"])
+                self.transform = from_stored(**stored)
             except ValueError as e:
                 raise CacheGenFormatError(f"profile transform: {e}") from None
             fits = self.transform.shape == (shape[2], meta["kv_heads"], meta["head_dim"])
@@ -83,7 +84,7 @@ class Profile:
         self.rotary = rotary
         self.meta["rotary"] = rotary.to_dict() if rotary is not None else None
         self.meta["format"] = PROFILE_FORMAT
-        self.id = _profile_id(self.classes, self.meta, self.half)
+        self.id = _profile_id(self.classes, self.meta, self.stored)
         self.origin = "fitted in this process"
 
     @property
@@ -126,8 +127,8 @@ class Profile:
         counts: torch.Tensor | None = None
         shape = None
         n_chunks = 0
-        half = to_half(transform) if transform is not None else None
-        stored = from_half(**half) if half is not None else None
+        kept = to_stored(transform) if transform is not None else None
+        stored = from_stored(**kept) if kept is not None else None
         for kv in caches:
             if shape is None:
                 shape = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
@@ -164,13 +165,13 @@ class Profile:
             "fitted_on": about or {},
         }
         classes = classes_from_counts(counts.numpy(), config.table_classes).reshape(config.n_levels, 2, shape[0], -1)
-        return cls(classes, meta, half, rotary)
+        return cls(classes, meta, kept, rotary)
 
     def to_bytes(self) -> bytes:
-        """The profile as safetensors bytes (uint8 classes, the 16-bit transform) with JSON metadata."""
+        """The profile as safetensors bytes (uint8 classes, the stored transform) with JSON metadata."""
         from safetensors.numpy import save  # noqa: PLC0415
 
-        tensors = {"classes": self.classes, **(self.half or {})}
+        tensors = {"classes": self.classes, **(self.stored or {})}
         return save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata={"cachegen_profile": json.dumps(self.meta)})
 
     def save(self, path: str | Path) -> Path:
@@ -236,7 +237,7 @@ def _read_meta(data: bytes, source: str) -> dict[str, Any]:
         raise CacheGenFormatError(f"profile {source}: head_group does not divide kv_heads")
     layers, channels, groups = meta["num_layers"], meta["channels"], meta["kv_heads"] // meta["head_group"]
     n = channels // groups
-    size = meta["n_levels"] * 2 * layers * channels + 2 * layers * (groups * (2 * n * n + 4) + 2 * channels)
+    size = meta["n_levels"] * 2 * layers * channels + 2 * layers * (groups * (n * n + 5 * n) + 2 * channels)  # <= 8 bits an entry
     if size > MAX_PROFILE_BYTES:
         raise CacheGenFormatError(f"profile {source} claims too large a model")
     return meta
@@ -245,20 +246,20 @@ def _read_meta(data: bytes, source: str) -> dict[str, Any]:
 def _from_parts(tensors: dict[str, np.ndarray], meta: dict[str, Any], source: str) -> Profile:
     """A profile from its parsed tensors and checked metadata."""
     layers, heads, dim, group = meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["head_group"]
-    if set(tensors) not in ({"classes"}, {"classes", *_HALF}):
+    if set(tensors) not in ({"classes"}, {"classes", *_STORED}):
         raise CacheGenFormatError(f"profile {source} holds tensors {sorted(tensors)}")
-    half = None
+    stored = None
     if len(tensors) > 1:
         n = group * dim
-        want = {"synthesis": ((2, layers, heads // group, n, n), np.float16), "scale": ((2, layers, heads // group), np.float32),
+        want = {"widths": ((2, layers, heads // group, n), np.uint8), "column_scale": ((2, layers, heads // group, n), np.float32),
                 "spread": ((2, layers, heads, dim), np.float16)}  # fmt: skip
         for name, (shape, dtype) in want.items():
             t = tensors[name]
             if t.dtype != dtype or t.shape != shape or not np.isfinite(t).all():
                 raise CacheGenFormatError(f"profile {source}: transform {name!r} must be finite {np.dtype(dtype).name} {shape}")
-        if not (tensors["scale"] > 0).all():
-            raise CacheGenFormatError(f"profile {source}: transform scales must be positive")
-        half = {name: tensors[name] for name in _HALF}
+        if tensors["synthesis"].dtype != np.uint8 or tensors["synthesis"].ndim != 1:
+            raise CacheGenFormatError(f"profile {source}: transform 'synthesis' must be packed uint8 bytes")
+        stored = {name: tensors[name] for name in _STORED}
     rotary = None
     if meta.get("rotary") is not None:
         try:
@@ -267,15 +268,15 @@ def _from_parts(tensors: dict[str, np.ndarray], meta: dict[str, Any], source: st
             raise CacheGenFormatError(f"profile {source}: bad rotary description") from None
         if rotary.head_dim != dim:
             raise CacheGenFormatError(f"profile {source}: rotary embedding does not match head_dim")
-    profile = Profile(tensors["classes"], meta, half, rotary)
+    profile = Profile(tensors["classes"], meta, stored, rotary)
     profile.origin = source
     return profile
 
 
-def _profile_id(classes: np.ndarray, meta: dict[str, Any], half: dict[str, np.ndarray] | None) -> str:
+def _profile_id(classes: np.ndarray, meta: dict[str, Any], stored: dict[str, np.ndarray] | None) -> str:
     h = hashlib.blake2b(digest_size=8)
     h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
     h.update(classes.tobytes())
-    for name in _HALF if half is not None else ():
-        h.update(np.ascontiguousarray(half[name]).tobytes())  # type: ignore[index]
+    for name in _STORED if stored is not None else ():
+        h.update(np.ascontiguousarray(stored[name]).tobytes())  # type: ignore[index]
     return "p-" + h.hexdigest()

@@ -22,18 +22,18 @@ from .seeds import FINGERPRINT, LIMITS, MAX_TOKENS, Seed, make_codecs, make_seed
 
 
 def profile_file_cases(rng: random.Random, directory: Any, n: int) -> Iterator[tuple[str, Any]]:
-    """``n`` damaged or forged profile files (safetensors classes and 16-bit transform + JSON metadata)
+    """``n`` damaged or forged profile files (safetensors classes and stored transform + JSON metadata)
     written to ``directory``.
 
     Structured ones rewrite the metadata (missing keys, odd JSON types and values, deep
     nesting, huge numbers) or one of the tensors (dtype, shape, values: classes past the bank,
-    non-finite or zero scales, a singular transform) through safetensors itself; raw ones flip,
+    widths out of range, non-finite or zero scales, a singular transform) through safetensors itself; raw ones flip,
     cut or splice the file's bytes."""
     from safetensors.numpy import save_file  # noqa: PLC0415
 
     _, codec, _ = make_codecs(0)[2]
     prof = codec.profile
-    assert prof is not None and prof.half is not None
+    assert prof is not None and prof.stored is not None
     directory = Path(directory)
     good = directory / "good.safetensors"
     prof.save(good)
@@ -41,7 +41,7 @@ def profile_file_cases(rng: random.Random, directory: Any, n: int) -> Iterator[t
     for i in range(n):
         path = directory / f"case-{i}.safetensors"
         meta: Any = json.loads(json.dumps(prof.meta))
-        tensors = {"classes": np.array(prof.classes), **{k: v.copy() for k, v in prof.half.items()}}
+        tensors = {"classes": np.array(prof.classes), **{k: v.copy() for k, v in prof.stored.items()}}
         r = rng.random()
         if r < 0.4:
             path_ = rng.choice(json_paths(meta)[1:])
@@ -83,14 +83,12 @@ def _damage_tensor(rng: random.Random, tensors: dict[str, np.ndarray]) -> None:
     elif k == 3:
         t = t.copy()
         flat = t.reshape(-1)
-        bad = {"classes": [255, 64, 200], "scale": [0.0, -1.0, np.inf, np.nan], "spread": [np.inf, np.nan],
-               "synthesis": [np.inf, np.nan, 65504.0]}[name]  # fmt: skip
+        bad = {"classes": [255, 64, 200], "column_scale": [0.0, -1.0, np.inf, np.nan], "spread": [np.inf, np.nan],
+               "widths": [0, 1, 9, 255], "synthesis": [255, 254, 0]}[name]  # fmt: skip
         flat[g.integers(flat.size)] = rng.choice(bad)
         tensors[name] = t
     elif k == 4 and name == "synthesis":
-        t = t.copy()
-        t[..., 0, :] = t[..., 1, :]  # two equal rows: singular
-        tensors[name] = t
+        tensors[name] = np.zeros_like(t)  # every entry of a column the same: singular
     elif k == 5:
         del tensors[name]
     else:
