@@ -10,8 +10,10 @@ then every policy answers the context + a question (one new token) through a
 run, so every policy sees the same bandwidth timeline:
 
 - ``cachegen-fixed-L`` / ``cachegen-adaptive`` / ``cachegen-adaptive-last``: ``KVEngine.generate``
-  with ``level=L`` and no SLO, or ``slo_s`` and the harmonic / last-sample estimator (a fresh
-  estimator per run; the engine's decode and prefill measurements are warmed by the runs before);
+  pinned to level L (the only option streamed, text never), or with ``slo_s`` choosing per chunk
+  among the five levels and text with the harmonic / last-sample estimator (a fresh estimator per
+  run; the engine's decode and prefill measurements are warmed by the runs before). Chunks are
+  stored at levels 0-4 only: the engine's raw 16-bit forms are ``fp16``'s bytes, timed on their own;
 - ``fp16`` / ``uniform8``: each chunk's KV as raw fp16, or per-token 8-bit codes with fp16
   scales, in Redis, fetched through the same proxy (fetch i+1 overlaps the conversion of i);
 - ``text``: recompute the whole prompt (no link).
@@ -147,7 +149,10 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
     with running_redis_server() as server:
         url = server.url
         direct = RedisStore(url, namespace="ttft-live")
-        writer = KVEngine.from_pretrained(args.model, store=direct, chunk_tokens=args.chunk_tokens, background=False)
+        writer = KVEngine.from_pretrained(args.model, store=direct, chunk_tokens=args.chunk_tokens, background=False,
+                                          store_options=list(range(5)))  # every level of the codec, no raw form
+        if writer.codec.levels != list(range(5)):
+            raise SystemExit(f"this benchmark stores levels 0-4; the codec has {writer.codec.levels}")
         tok = writer.tokenizer
         ids = tok(transcripts(args.data, HELD_OUT, 1)[0])["input_ids"][: args.context_tokens]
         prompt = ids + tok(QUESTION, add_special_tokens=False)["input_ids"]
@@ -168,7 +173,8 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
         blob_sizes = [{lv: len(direct.get(blob_key(k, lv)) or b"") for lv in levels} for k in keys]
 
         port = raw.connection_pool.connection_kwargs["port"]
-        reader = KVEngine(writer.model, tok, writer.codec, direct, chunk_tokens=args.chunk_tokens, background=False)
+        reader = KVEngine(writer.model, tok, writer.codec, direct, chunk_tokens=args.chunk_tokens, background=False,
+                          store_options=levels)  # streams levels (or text): the paper's choice, no raw form
         link: dict[str, Any] = {}
         dequant_s: list[float] = []
 
@@ -193,7 +199,10 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
             return {"ttft_s": time.perf_counter() - t0, "options": [TEXT] * len(keys), "bytes": 0}
 
         def engine(level: int, slo: float | None, estimator: str = "harmonic") -> dict[str, Any]:
+            """Without ``slo``: pinned to ``level`` (only it streamed, never text); with one: the controller over
+            every level and text."""
             reader.level, reader.slo_s, reader.estimator = level, slo, make_estimator(estimator)
+            reader.store_options, reader.allow_text = (levels, True) if slo is not None else ([level], False)
             _, info = reader.generate(prompt, max_new_tokens=1)
             if info.errors or len(info.levels) != len(keys):
                 raise RuntimeError(f"the engine did not stream every chunk: {info.errors}")
