@@ -191,6 +191,11 @@ def column_widths(spread: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(MEDIAN_COLUMN_BITS + rel), *COLUMN_BITS).astype(np.uint8)
 
 
+def _radius(widths: np.ndarray) -> np.ndarray:
+    """``m = 2 ** (width - 1) - 1``: the largest magnitude a column of ``widths`` bits stores, int64."""
+    return (1 << widths.astype(np.int64)) // 2 - 1
+
+
 def to_stored(t: Transform) -> dict[str, np.ndarray]:
     """The stored form of ``t``: each column ``j`` of each synthesis matrix (component ``j``'s channels) as
     integers of ``widths[j]`` bits (``column_widths``) times ``column_scale[j]`` (its largest magnitude),
@@ -202,7 +207,7 @@ def to_stored(t: Transform) -> dict[str, np.ndarray]:
     kinds, layers, groups, n, _ = b.shape
     widths = column_widths(spread.reshape(kinds, layers, groups, n))
     scale = np.maximum(np.abs(b).max(axis=-2), 1e-30).astype(np.float32)
-    m = ((1 << widths.astype(np.int64)) // 2 - 1)[..., None, :]
+    m = _radius(widths)[..., None, :]
     q = np.clip(np.rint(b / scale.astype(np.float64)[..., None, :] * m), -m, m)
     packed = pack((q + m).astype(np.uint8), np.broadcast_to(widths[..., None, :], b.shape))
     return {"synthesis": packed, "widths": widths, "column_scale": scale, "spread": spread}
@@ -221,7 +226,7 @@ def from_stored(synthesis: np.ndarray, widths: np.ndarray, column_scale: np.ndar
         raise ValueError("transform column widths must be in [2, 8] bits and column scales finite and positive")
     shape = (*widths.shape, widths.shape[-1])
     u = unpack(synthesis, np.broadcast_to(widths[..., None, :], shape)).astype(np.float32)
-    m = ((1 << widths.astype(np.int64)) // 2 - 1).astype(np.float32)[..., None, :]
+    m = _radius(widths).astype(np.float32)[..., None, :]
     if (u > 2 * m).any():
         raise ValueError("a stored synthesis value is out of its column's range")
     b = torch.from_numpy((u - m) * scale[..., None, :] / m)
