@@ -148,7 +148,7 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
 
     with running_redis_server() as server:
         url = server.url
-        direct = RedisStore(url, namespace="ttft-live")
+        direct = RedisStore(url, namespace="ttft-live", same_host=False)  # the engine plans as for a remote server
         writer = KVEngine.from_pretrained(args.model, store=direct, chunk_tokens=args.chunk_tokens, background=False,
                                           store_options=list(range(5)))  # every level of the codec, no raw form
         if writer.codec.levels != list(range(5)):
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
         for ti, trace in enumerate(traces):
             with ThrottledProxy(port, trace, args.slice_s) as proxy:
                 proxy_url = f"redis://{proxy.host}:{proxy.port}/0"
-                reader.store = RedisStore(proxy_url, namespace="ttft-live", socket_timeout=600.0)
+                reader.store = RedisStore(proxy_url, namespace="ttft-live", socket_timeout=600.0, same_host=False)
                 link["client"] = redis.Redis.from_url(proxy_url, socket_timeout=600.0)
                 runs: list[tuple[str, float | None, Callable[[], dict[str, Any]]]] = [
                     ("fp16", None, lambda: baseline("fp16")),

@@ -110,9 +110,11 @@ NAIVE: dict[str, tuple[Callable[[KVCache], bytes], Callable[[bytes, KVCache], No
 
 # ------------------------------------------------------------------ stores and links
 def open_store(kind: str, redis_url: str | None) -> contextlib.AbstractContextManager[Any]:
-    """An empty store of ``kind``; Redis kinds (the server itself or a shaped link to it) at ``redis_url``."""
+    """An empty store of ``kind``; Redis kinds (the server itself or a shaped link to it) at ``redis_url``.
+    A shaped link stands for a server on another machine: not ``same_host``, though its proxy listens on loopback."""
     assert redis_url is not None or not kind.startswith("redis")
-    return fresh_store(kind, redis_url, socket_timeout=600.0, namespace=f"warm-{kind}:")
+    remote = {"same_host": False} if kind in LINKS else {}
+    return fresh_store(kind, redis_url, socket_timeout=600.0, namespace=f"warm-{kind}:", **remote)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ import time
 from cachegen_core.engine import KVEngine
 from cachegen_core.engine.cost import PRIOR_COPY_BYTES_PER_S, PRIOR_SYMBOLS_PER_S, CostModel
 from cachegen_core.stores.memory import MemoryStore
+from cachegen_core.stores.redis import RedisStore
 from cachegen_core.streaming import TEXT, HarmonicMeanEstimator
 from cachegen_core.testing import words
 from tests.test_engine import plain_greedy
@@ -222,3 +223,21 @@ def test_a_store_that_shares_its_objects_is_read_on_the_requests_thread_others_b
         _, info = e.generate(prompt, max_new_tokens=1)
         assert info.cached_tokens == 3 * CHUNK and store.threads
         assert (store.threads == {threading.current_thread()}) is shares
+
+
+def test_a_redis_server_on_this_host_is_planned_like_a_local_store(tiny_llama, tiny_tokenizer, redis_server):
+    """A loopback server's fetches take the decoder's cores: a fetch timed beside a decode measures that contention,
+    so only a stream's first fetch updates the link estimate, as on a local store (and plans do not count on
+    overlap); a server on another host (``same_host=False``) has every fetch measured."""
+    prompt = words(6, 3 * CHUNK + 5)
+    samples = {}
+    for same_host in (None, False):
+        store = RedisStore(redis_server.url, namespace=f"same-host-{same_host}:", same_host=same_host)
+        e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=[1], level=1,
+                     allow_text=False, background=False)  # fmt: skip
+        want, _ = e.generate(prompt, max_new_tokens=3)
+        got, info = e.generate(prompt, max_new_tokens=3)
+        assert info.levels == [1, 1, 1] and got == want == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 3)
+        samples[same_host] = len(e.estimator.samples)
+        e.close()
+    assert samples == {None: 1, False: 3}

@@ -136,6 +136,11 @@ def test_store_urls_carry_the_budget(tmp_path, redis_server):
     r.put("k", b"v")
     assert r.get("k") == b"v" and 0 < r.client.pttl("urls:k") <= 600_000
     assert open_store(redis_server.url).raw_ttl_ms == 3600_000  # raw forms expire after an hour unused by default
+    assert open_store(redis_server.url).same_host  # 127.0.0.1: this machine's cores serve it
+    assert not open_store(redis_server.url + "?same_host=0").same_host  # e.g. behind a proxy that stands for a remote one
+    assert open_store("redis://10.1.2.3:6379/0?same_host=yes").same_host  # this machine's own LAN address
+    with pytest.raises(ValueError, match="same_host='maybe'"):
+        open_store(redis_server.url + "?same_host=maybe")
     for bad in ("disk?size_limit=lots", "memory?colour=blue", "disk?raw_share=2"):
         with pytest.raises(ValueError):
             open_store(bad, cache_dir=tmp_path / "c")

@@ -21,6 +21,8 @@ from langchain_core.stores import InMemoryByteStore
 from cachegen_core.keys.chunks import blob_key
 from cachegen_core.errors import CacheGenError, StoreError
 from cachegen_core.stores import DiskCacheStore, KVStore, MemoryStore, RedisStore, default_directory
+from cachegen_core.stores.base import fetches_on_cpu
+from cachegen_core.stores.signed import SignedStore
 from langchain_cachegen.stores import ByteStoreKVStore
 from cachegen_core.testing import free_port, start_redis_server
 from tests.redis_fixture import redis_server_binary
@@ -562,6 +564,26 @@ def test_redis_kwargs_pass_through():
     kw = u.client.connection_pool.connection_kwargs
     assert (kw["host"], kw["port"], kw["db"], kw["username"], kw["password"]) == ("example.invalid", 6391, 2, "user", "pw")
     assert "pw" not in repr(u)
+
+
+@pytest.mark.parametrize(("address", "same"), [
+    ({"host": "127.0.0.1"}, True), ({"host": "localhost"}, True), ({"host": "::1"}, True), ({"url": "redis://127.0.0.2:6390/0"}, True),
+    ({"url": "unix:///tmp/redis.sock"}, True), ({"host": "10.255.255.1"}, False), ({"url": "redis://example.invalid:6391/2"}, False),
+    ({"url": "redis-cluster://127.0.0.1:7000"}, True), ({"url": "redis-cluster://10.0.0.7:7000"}, False),
+])  # fmt: skip
+def test_redis_same_host_is_read_from_the_address(address, same):
+    """A server on loopback or a Unix socket shares this machine's cores (the engine plans its fetches in turns
+    with a CPU decode); nothing is connected to find out."""
+    url = address.pop("url", None)
+    assert RedisStore(url, **address).same_host is same
+    assert RedisStore(url, same_host=not same, **address).same_host is (not same)  # the caller knows better
+
+
+def test_fetches_on_cpu_for_each_store(tmp_path):
+    assert fetches_on_cpu(MemoryStore()) and fetches_on_cpu(DiskCacheStore(tmp_path / "d"))
+    assert fetches_on_cpu(SignedStore(RedisStore(host="127.0.0.1"), b"k" * 32))
+    assert not fetches_on_cpu(SignedStore(RedisStore(host="10.255.255.1"), b"k" * 32))
+    assert not fetches_on_cpu(object())  # says nothing: planned as a remote store, as before
 
 
 # --- ByteStoreKVStore over a failing / misbehaving LangChain store ---------------------------------

@@ -27,7 +27,7 @@ from ..kv import KVCache
 from ..ops.metrics import EngineMetrics, MetricsRecorder, summarise
 from ..ops.progress import progress_bar
 from ..ops.settings import resolve_store
-from ..stores.base import KVStore
+from ..stores.base import KVStore, fetches_on_cpu
 from ..codec.raw import RawCodec
 from ..keys.segments import SegmentedPrompt, document_spans, tokenize_parts
 from ..streaming import RAW_OPTIONS, Controller, Option, make_estimator, rank
@@ -245,7 +245,7 @@ class KVEngine:
         for ids, info in zip(all_ids, infos):
             info.prompt_tokens = len(ids)
         controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token, allow_text=self.allow_text,
-                                floor=self.level, serial=getattr(self.store, "local", False))  # fmt: skip
+                                floor=self.level, serial=fetches_on_cpu(self.store))  # fmt: skip
         partials = [self._partials(a) for a in arrays] if 0 < self.partial_step < self.chunk_tokens else None
         spans = [document_spans(p) for p in prompts]
         documents = self.documents is not None and any(spans)

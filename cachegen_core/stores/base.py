@@ -96,10 +96,19 @@ class BaseKVStore:
     store): a reader that verified that object once need not hash it again, a fetch runs on the
     request's thread (see ``ChunkReader``), and a local store of this kind takes the raw form
     before the answer (a dict insert), where another one gets it from the writer's worker.
+    ``same_host``: a fetch is work of this machine's CPU (a copy, a file read, a server on this
+    host), so it does not overlap a CPU decode: the streaming controller plans fetch and decode
+    in turns (``Controller.serial``). Every local store; a Redis server on a loopback address or a
+    Unix socket too.
     """
 
     local: bool = False
     shares_values: bool = False
+
+    @property
+    def same_host(self) -> bool:
+        """Whether a fetch runs on this machine's CPU (see the class docstring); by default, ``local``."""
+        return self.local
 
     def __init__(self, namespace: str = DEFAULT_NAMESPACE, max_value_bytes: int | None = None) -> None:
         if not isinstance(namespace, str):
@@ -150,3 +159,9 @@ class BaseKVStore:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(namespace={self.namespace!r})"
+
+
+def fetches_on_cpu(store: object) -> bool:
+    """Whether fetching from ``store`` is this machine's CPU work (``same_host``, else ``local``; False for an
+    object that says neither): its fetches do not overlap a CPU decode."""
+    return bool(getattr(store, "same_host", getattr(store, "local", False)))

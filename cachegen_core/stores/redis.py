@@ -24,10 +24,16 @@ node (no ``MULTI``: keys of several slots), and ``put_many`` returns once every 
 answered, so the writer's manifest, put after its blobs, never names a blob not yet stored. A
 value deleted between its ``EXISTS`` and ``GETRANGE`` reads as empty, which the reader takes for
 a miss (no stored blob or manifest is empty).
+
+A server on a loopback address or a Unix socket runs on this machine's cores: ``same_host`` (detected
+from the address; ``same_host=`` overrides it) makes the engine plan its fetches in turns with a CPU
+decode, as for a local store (on 2 cores, planning them to overlap made the engine 10-20 % slower than
+plain fp16 bytes from the same server: ``docs/results.md``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -55,6 +61,18 @@ CLUSTER_SCHEMES = {"redis-cluster://": "redis://", "rediss-cluster://": "rediss:
 _GLOB_SPECIAL = "\\*?[]"
 
 
+def _loopback(host: str | None) -> bool:
+    """``localhost`` or a loopback IP address."""
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _escape_glob(s: str) -> str:
     return "".join("\\" + c if c in _GLOB_SPECIAL else c for c in s)
 
@@ -68,7 +86,8 @@ class RedisStore(BaseKVStore):
     ``cluster``: a Redis Cluster (``host``/``port`` or ``url`` name one of its nodes).
     ``client`` wraps an existing ``redis.Redis`` or ``RedisCluster`` (its own options are then
     used). ``**redis_kwargs`` go to the client (e.g. ``ssl_ca_certs``, ``ssl_certfile``,
-    ``max_connections``).
+    ``max_connections``). ``same_host``: the server runs on this machine (``None``: a loopback
+    address or a Unix socket; see ``BaseKVStore.same_host``).
     """
 
     def __init__(
@@ -90,6 +109,7 @@ class RedisStore(BaseKVStore):
         raw_ttl_s: float | None = DEFAULT_RAW_TTL_S,
         cluster: bool = False,
         client: redis.Redis | redis.RedisCluster | None = None,
+        same_host: bool | None = None,
         **redis_kwargs: Any,
     ) -> None:
         super().__init__(namespace, max_value_bytes)
@@ -132,6 +152,7 @@ class RedisStore(BaseKVStore):
                     host=host, port=port, db=db, username=username, password=password, ssl=ssl, **opts
                 )
         self._where = self._describe()
+        self._same_host = self._on_loopback() if same_host is None else bool(same_host)
 
     def _describe(self) -> str:
         """Server address for messages (never the password)."""
@@ -146,6 +167,21 @@ class RedisStore(BaseKVStore):
         if "path" in kw:
             return f"unix://{kw['path']}"
         return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+    def _on_loopback(self) -> bool:
+        """Whether the server's address is a Unix socket or a loopback host (a cluster: the node given)."""
+        if self._cluster_args is not None:
+            url, host = self._cluster_args[:2]
+            return _loopback(urlsplit(url).hostname if url is not None else host)
+        if self.cluster:
+            return False
+        kw = getattr(self._client.connection_pool, "connection_kwargs", {})
+        return "path" in kw or _loopback(kw.get("host"))
+
+    @property
+    def same_host(self) -> bool:
+        """Whether the server runs on this machine, so a fetch takes this machine's cores (``BaseKVStore.same_host``)."""
+        return self._same_host
 
     @property
     def client(self) -> redis.Redis | redis.RedisCluster:

@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 
-from .base import Items, KVStore, check_key, iter_items
+from .base import Items, KVStore, check_key, fetches_on_cpu, iter_items
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,11 @@ class SignedStore:
     def local(self) -> bool:
         """Whether the wrapped store lives on this machine (see ``BaseKVStore.local``)."""
         return bool(getattr(self.inner, "local", False))
+
+    @property
+    def same_host(self) -> bool:
+        """Whether a fetch from the wrapped store is this machine's CPU work (see ``BaseKVStore.same_host``)."""
+        return fetches_on_cpu(self.inner)
 
     def _check(self, store_key: str, stored: bytes | None) -> bytes | None:
         if stored is None:

@@ -11,7 +11,8 @@
 
 The budget rides in the URL's query too (``tiers.py``): ``disk?size_limit=50G&raw_share=0.2``,
 ``memory?max_bytes=4G``, ``redis://host:6379/0?ttl_s=604800&raw_ttl_s=3600`` (sizes in bytes or
-with K, M, G, T: powers of 1024; ``none`` for no expiry or no tiers).
+with K, M, G, T: powers of 1024; ``none`` for no expiry or no tiers). ``same_host=1`` (or ``0``) says whether
+a Redis server runs on this machine where its address does not say it (``RedisStore``'s ``same_host``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE
 _OPTIONS = {
     "disk": {"size_limit": "size", "raw_share": "share"},
     "memory": {"max_bytes": "size", "raw_share": "share"},
-    "redis": {"ttl_s": "seconds", "raw_ttl_s": "seconds"},
+    "redis": {"ttl_s": "seconds", "raw_ttl_s": "seconds", "same_host": "flag"},
 }
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
 def parse_size(text: str) -> int:
@@ -46,6 +48,10 @@ def _value(kind: str, text: str) -> Any:
         return None
     if kind == "size":
         return parse_size(text)
+    if kind == "flag":
+        if text.strip().lower() not in _FLAGS:
+            raise ValueError("give 1 or 0 (true or false)")
+        return _FLAGS[text.strip().lower()]
     return float(text)
 
 

@@ -18,10 +18,10 @@ link, whose finish depends less on the estimate (at 1 Gbit/s a raw chunk predict
 than a level-1 chunk arrived later than it: 0.66 s against 0.58 s for level 1 alone,
 ``benchmarks.warm_path``).
 
-On a local store (memory, disk) fetching is a copy by the same cores that decode, so plans
-are made ``serial``: a fetch does not overlap a decode (on 2 cores, mixing a level chunk with
-a raw one on the disk store was 17 % slower than plain fp16 bytes, the plan having counted on the
-overlap).
+On a local store (memory, disk) or a Redis server on this host fetching is the work of the cores
+that decode, so plans are made ``serial``: a fetch does not overlap a decode (on 2 cores, mixing a
+level chunk with a raw one was 17 % slower than plain fp16 bytes on the disk store and 17 % slower
+over loopback Redis, the plan having counted on the overlap).
 
 With a deadline:
 
