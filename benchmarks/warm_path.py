@@ -31,7 +31,7 @@ loopback), and the same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s (an
 with random weights and the reference tokenizer, in ``--dtype`` (bfloat16 by default), for timing
 only: its rows say ``"random_init": true``; its answers and any quality mean nothing. Every policy
 is warmed up (the engine learns its costs and the link) before it is timed; a row is the
-median of ``--reps`` runs. ``bound_s`` = bytes / link bandwidth (none for local stores) +
+median of ``--reps`` runs, the policies taking turns run by run (a drift of a shared box reaches them alike). ``bound_s`` = bytes / link bandwidth (none for local stores) +
 decoding the levels' symbols at the native coder's rANS rate measured here + the question's
 prefill on the reused KV (measured here): what no implementation of that policy could beat.
 JSON lines: ``{"store", "link_gbps", "context_tokens", "policy", "ttft_s", "bytes", "decode_s",
@@ -299,8 +299,12 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
                 warm = 2 if name == "cachegen-auto" else 1  # the adaptive engine learns the link and its decode costs
                 for _ in range(warm):
                     run()
-                reps = [run() for _ in range(args.reps)]
-                mid = sorted(reps, key=lambda r: r["ttft_s"])[len(reps) // 2]
+            reps: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
+            for _ in range(max(1, args.reps)):  # interleaved: a drift of the box's speed reaches every policy alike
+                for name, run in policies.items():
+                    reps[name].append(run())
+            for name, runs in reps.items():
+                mid = sorted(runs, key=lambda r: r["ttft_s"])[len(runs) // 2]
                 results.setdefault(name, []).append(mid)
                 symbols = ctx.kv.num_elements if name.startswith("cachegen-") and mid.get("options") and all(
                     isinstance(o, int) for o in mid["options"]) else 0  # fmt: skip
