@@ -27,7 +27,7 @@ a miss (no stored blob or manifest is empty).
 
 A server on a loopback address or a Unix socket runs on this machine's cores: ``same_host`` (detected
 from the address; ``same_host=`` overrides it) makes the engine plan its fetches in turns with a CPU
-decode, as for a local store (on 2 cores, planning them to overlap made the engine 10-20 % slower than
+decode, as for a local store (on 2 cores, planning them to overlap made the engine 10-17 % slower than
 plain fp16 bytes from the same server: ``docs/results.md``).
 """
 
