@@ -574,9 +574,9 @@ def test_redis_kwargs_pass_through():
 def test_redis_same_host_is_read_from_the_address(address, same):
     """A server on loopback or a Unix socket shares this machine's cores (the engine plans its fetches in turns
     with a CPU decode); nothing is connected to find out."""
-    url = address.pop("url", None)
-    assert RedisStore(url, **address).same_host is same
-    assert RedisStore(url, same_host=not same, **address).same_host is (not same)  # the caller knows better
+    url, host = address.get("url"), {k: v for k, v in address.items() if k != "url"}  # the parameter left as it is
+    assert RedisStore(url, **host).same_host is same
+    assert RedisStore(url, same_host=not same, **host).same_host is (not same)  # the caller knows better
 
 
 def test_fetches_on_cpu_for_each_store(tmp_path):

@@ -49,9 +49,10 @@ def _value(kind: str, text: str) -> Any:
     if kind == "size":
         return parse_size(text)
     if kind == "flag":
-        if text.strip().lower() not in _FLAGS:
+        flag = _FLAGS.get(text.strip().lower())
+        if flag is None:
             raise ValueError("give 1 or 0 (true or false)")
-        return _FLAGS[text.strip().lower()]
+        return flag
     return float(text)
 
 
