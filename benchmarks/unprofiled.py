@@ -7,13 +7,14 @@ A codec with no profile codes each head's channels as they are (keys before the 
 embedding), with a step per layer (``CodecConfig.unprofiled_scale`` times the level's, in units
 of the layer's RMS): ``identity``. ``weighted`` is what an engine codes a model without a profile
 with (``engine.profiles.measure_weights``): the same, each component's step times its weight
-(``codec.weights``), measured by ``codec.fitting.fit_weights`` (one Fisher draw on the first 576
+(``codec.weights``), measured by ``codec.fitting.fit_weights`` (one Fisher draw on the first 640
 tokens of the shipped calibration text; its time is reported) and ``CodecConfig.weighted_scale``
 times the level's. The data-free alternative ``hadamard`` rotates every head's channels (keys
 before the rotary embedding) by ``H diag(signs) / sqrt(dim)``, ``H`` the Sylvester Hadamard
 matrix and the signs drawn from a seed of the codec id, as QuaRot and TurboQuant do before
 scalar quantisation; then the same steps and per-chunk table classes. ``name:s=X`` sets the
-variant's scale (``unprofiled_scale``, or ``weighted_scale`` for ``weighted``) to X. Each context
+variant's scale (``unprofiled_scale``, or ``weighted_scale`` for ``weighted``) to X; ``weighted:c=N``
+scores N continuation tokens in the Fisher draw (the engine's: 128), ``weighted:s=X,c=N`` both. Each context
 is the first ``--contexts`` tokens of a transcript, coded in chunks of 1536; the next 256 tokens
 are scored teacher-forced on the reconstruction against the fp16 KV (as ``quality_size``). The
 rotated variant runs the codec's torch path (the native one-pass paths know only the identity):
@@ -84,6 +85,19 @@ def main(argv: list[str] | None = None) -> None:
         run(args, out)
 
 
+def variant_options(variant: str) -> tuple[str, dict[str, float]]:
+    """``name:s=X,c=N`` -> (name, {"s": X, "c": N}); ``SystemExit`` on an unknown name or option."""
+    name, _, text = variant.partition(":")
+    allowed = {"s"} | ({"c"} if name == "weighted" else set())
+    try:
+        opts = {k: float(x) for k, _, x in (o.partition("=") for o in text.split(",") if o)}
+    except ValueError:
+        opts = {"": 0.0}
+    if name not in ("identity", "weighted", "hadamard") or not set(opts) <= allowed:
+        raise SystemExit(f"unknown variant {variant!r}: identity, weighted or hadamard, with optional :s=SCALE (weighted also c=TOKENS)")
+    return name, opts
+
+
 def run(args: argparse.Namespace, out: Rows) -> None:
     from cachegen_core.codec.config import CodecConfig  # noqa: PLC0415
     from cachegen_core.codec.fitting import fit_weights  # noqa: PLC0415
@@ -96,17 +110,19 @@ def run(args: argparse.Namespace, out: Rows) -> None:
 
     model, tok = load(args.model)
     rotary = RotarySpec.from_model(model)
-    codecs, weights = {}, None
+    codecs, fitted = {}, {}
     for v in args.variants:
-        name, _, opts = v.partition(":")
-        if name not in ("identity", "weighted", "hadamard"):
-            raise SystemExit(f"unknown variant {v!r}: identity, weighted or hadamard, each with an optional :s=SCALE")
-        kw = {("weighted_scale" if name == "weighted" else "unprofiled_scale"): float(opts.removeprefix("s="))} if opts else {}
-        if name == "weighted" and weights is None:
-            t0 = time.perf_counter()
-            weights = fit_weights(model, tok, config=CodecConfig(), rotary=rotary)
-            out.emit({"what": "fit_weights", "seconds": round(time.perf_counter() - t0, 2), "threads": torch.get_num_threads()})
-        codec = (Rotated if name == "hadamard" else KVCodec)(CodecConfig(**kw), rotary=rotary, weights=weights if name == "weighted" else None)
+        name, opts = variant_options(v)
+        kw = {("weighted_scale" if name == "weighted" else "unprofiled_scale"): opts["s"]} if "s" in opts else {}
+        weights = None
+        if name == "weighted":
+            c = int(opts["c"]) if "c" in opts else None  # None: the engine's
+            if c not in fitted:
+                t0 = time.perf_counter()
+                fitted[c] = fit_weights(model, tok, config=CodecConfig(), rotary=rotary, **({} if c is None else {"continuation": c}))
+                out.emit({"what": "fit_weights", "continuation": c, "seconds": round(time.perf_counter() - t0, 2), "threads": torch.get_num_threads()})
+            weights = fitted[c]
+        codec = (Rotated if name == "hadamard" else KVCodec)(CodecConfig(**kw), rotary=rotary, weights=weights)
         codecs[v] = (codec, name == "hadamard")
     records = read_jsonl(args.data)[args.first : args.last]
     for c in args.contexts:

@@ -98,3 +98,14 @@ def test_profile_command_writes_a_profile_the_codec_uses(tiny_llama, tiny_tokeni
     coded = quantise(comp, with_p.config.level_step(with_p.config.default_level), fitted=True, step_cap=with_p.config.step_cap)
     keys, _ = synthesise(dequantise(coded), coded.mean, coded.exact, tf, rotary=profile.rotary)
     assert torch.equal(with_p.decode(blob).keys, keys.to(kv.dtype))
+
+
+def test_unprofiled_variant_options():
+    from benchmarks.unprofiled import variant_options
+
+    assert variant_options("identity") == ("identity", {})
+    assert variant_options("weighted:s=4.0,c=128") == ("weighted", {"s": 4.0, "c": 128.0})
+    assert variant_options("hadamard:s=3") == ("hadamard", {"s": 3.0})
+    for bad in ("rotated", "identity:c=128", "weighted:x=1", "weighted:s=abc"):
+        with pytest.raises(SystemExit, match="unknown variant"):
+            variant_options(bad)
