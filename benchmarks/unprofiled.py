@@ -88,14 +88,12 @@ def main(argv: list[str] | None = None) -> None:
 def variant_options(variant: str) -> tuple[str, dict[str, float]]:
     """``name:s=X,c=N`` -> (name, {"s": X, "c": N}); ``SystemExit`` on an unknown name or option."""
     name, _, text = variant.partition(":")
+    pairs = [o.partition("=") for o in text.split(",") if o]
     allowed = {"s"} | ({"c"} if name == "weighted" else set())
-    try:
-        opts = {k: float(x) for k, _, x in (o.partition("=") for o in text.split(",") if o)}
-    except ValueError:
-        opts = {"": 0.0}
-    if name not in ("identity", "weighted", "hadamard") or not set(opts) <= allowed:
+    numbers = all(x.replace(".", "", 1).isdigit() for _, _, x in pairs)
+    if name not in ("identity", "weighted", "hadamard") or not {k for k, _, _ in pairs} <= allowed or not numbers:
         raise SystemExit(f"unknown variant {variant!r}: identity, weighted or hadamard, with optional :s=SCALE (weighted also c=TOKENS)")
-    return name, opts
+    return name, {k: float(x) for k, _, x in pairs}
 
 
 def run(args: argparse.Namespace, out: Rows) -> None:

@@ -106,6 +106,6 @@ def test_unprofiled_variant_options():
     assert variant_options("identity") == ("identity", {})
     assert variant_options("weighted:s=4.0,c=128") == ("weighted", {"s": 4.0, "c": 128.0})
     assert variant_options("hadamard:s=3") == ("hadamard", {"s": 3.0})
-    for bad in ("rotated", "identity:c=128", "weighted:x=1", "weighted:s=abc"):
+    for bad in ("rotated", "identity:c=128", "weighted:x=1", "weighted:s=abc", "weighted:c=-5", "weighted:s"):
         with pytest.raises(SystemExit, match="unknown variant"):
             variant_options(bad)
