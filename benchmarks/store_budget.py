@@ -17,7 +17,8 @@ Traces: ``zipf``, ``--contexts`` distinct contexts of 3-8K tokens (``--lengths``
 ``--chats`` conversations growing by ``--growth`` tokens a turn, interleaved; ``rag``, questions over 4 of
 ``--docs`` 1K-token documents (Zipf popularity, any order: document caches and the blend).
 
-What is measured, on this machine, with the real model and engine (``measure``): on ``--measure``
+What is measured, on this machine, with the real model and engine, its codec the one ``from_pretrained`` gives (the
+model's profile; before 2026-11-28 none) (``measure``): on ``--measure``
 contexts of the data (3-8K tokens, a question after them), the engine's TTFT with the first k stored
 units reused (complete 1536-token chunks, then the partial chunk), less their fetch and decode:
 the prefill; each unit's fetch + decode on a disk store in the raw form and at level 1 (as the engine
@@ -101,8 +102,15 @@ def measure(model: Any, tok: Any, contexts: list[list[int]], question: list[int]
     prefill: list[tuple[int, int, float]] = []
     stream: dict[Any, list[tuple[int, float]]] = {RAW: [], LEVEL: []}
     size: dict[Any, list[tuple[int, int]]] = {RAW: [], LEVEL: []}
+    # the codec a user's engine codes with (``from_pretrained``): the model's profile, else steps weighted by its
+    # measured sensitivity (no background fit: it would share the cores with what is timed)
+    user = KVEngine.from_pretrained(model, tokenizer=tok, store=MemoryStore(), background=False)
+    if getattr(user, "profile_fitter", None) is not None:
+        user.profile_fitter.stop()
+    codec_id, profile_id, weighted = user.codec.codec_id, user.codec.profile_id, user.codec.step_weights is not None
+    print(f"# codec {codec_id}, profile {profile_id or 'none'}, step weights {weighted}", file=sys.stderr)
     # text off: each engine streams its one form (on a tiny model the controller may rightly prefer recomputing)
-    pinned = {f: KVEngine(model, tok, store=MemoryStore(), level=f, store_options=[f], background=False, blend=None, allow_text=False)
+    pinned = {f: KVEngine(model, tok, user.codec, MemoryStore(), level=f, store_options=[f], background=False, blend=None, allow_text=False)
               for f in (RAW, LEVEL)}
     for n, ids in enumerate(contexts):
         prompt = ids + question
@@ -141,7 +149,7 @@ def measure(model: Any, tok: Any, contexts: list[list[int]], question: list[int]
     sizes = {f: _fit([[1, x] for x, _ in pts], [y for _, y in pts]) for f, pts in size.items()}
     costs = Costs((g, alpha, beta), {f: (0.0, c[0]) for f, (c, _) in fits.items()}, {f: tuple(c) for f, (c, _) in sizes.items()},
                   probe_s, rag, fp16_bytes_per_token=round(sizes[RAW][0][1]))  # fmt: skip
-    points = {"prefill": prefill, "stream": {str(f): p for f, p in stream.items()}, "bytes": {str(f): p for f, p in size.items()},
+    points = {"codec": codec_id, "profile": profile_id, "step_weights": weighted, "prefill": prefill, "stream": {str(f): p for f, p in stream.items()}, "bytes": {str(f): p for f, p in size.items()},
               "probe_s": probe_s, "rag_miss_hit_s": rag, "prefill_fit": [g, alpha, beta], "prefill_fit_error": round(perr, 4),
               "stream_fit": {str(f): c for f, (c, _) in fits.items()}, "stream_fit_error": {str(f): round(e, 4) for f, (_, e) in fits.items()},
               "bytes_fit": {str(f): c for f, (c, _) in sizes.items()}}  # fmt: skip

@@ -93,6 +93,8 @@ def test_the_script_runs_end_to_end_on_a_shaped_model(tiny_model_dir, tmp_path, 
                        "--out", str(out), "--plot", str(png)])  # fmt: skip
     rows = [json.loads(line) for line in open(out)]
     assert rows[0]["row"] == "meta" and rows[0]["cores"] and rows[1]["kind"] == "costs"
+    # coded as a user's engine codes this model (no profile anywhere): steps weighted by its measured sensitivity
+    assert rows[1]["profile"] is None and rows[1]["step_weights"] is True and rows[1]["codec"].startswith("cachegen-v3-")
     table = [r for r in rows if "policy" in r]
     assert len(table) == 3 * len(store_budget.POLICIES) * 2
     for r in table:

@@ -48,6 +48,10 @@ log = logging.getLogger("cachegen_core.engine")
 class KVEngine:
     """CacheGen over one Hugging Face causal LM, one ``KVCodec`` and one ``KVStore``.
 
+    ``codec``: default a codec without a profile and without step weights (chunks about a third larger
+    than with the model's profile: ``docs/results.md``); ``KVEngine.from_pretrained`` finds the profile
+    (the user cache's, the package's or the store's) or measures the weights, as the integrations do.
+
     ``chunk_tokens``: tokens per stored chunk. ``level``: the quality a hit must have without a
     deadline: a compression level (default: the codec's default), ``"raw"`` (16-bit KV) or
     ``"lossless"`` (the KV exactly: answers identical to no cache). ``store_options``: what a

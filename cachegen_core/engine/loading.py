@@ -46,7 +46,7 @@ def from_pretrained(
     ``dtype``, ``device``, ``device_map`` and ``model_kwargs`` go to ``models.load_model`` (the
     CPU by default). ``profile="auto"`` uses the model's profile for this codec configuration from
     the user cache, the package or the store (``profiles.resolve_profile``); without one chunks carry
-    their own table classes, and (``auto_profile``) the model's sensitivity is measured now (about 2 s for the
+    their own table classes, and (``auto_profile``) the model's sensitivity is measured now (about 3 s for the
     reference model on 2 CPU cores) to weight their steps, and a profile is fitted in the background and
     published into the store for the engines started after it (``profiles.ProfileFitter``; None:
     ``CACHEGEN_AUTO_PROFILE``, default on). ``profile=None``: none.
