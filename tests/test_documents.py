@@ -61,6 +61,15 @@ def test_documents_in_another_order_and_combination_hit(tiny_llama, tiny_tokeniz
     assert again.documents_reused == 3 and not again.errors
 
 
+def test_a_document_piece_is_coded_at_the_positions_it_was_computed_at(tiny_llama, tiny_tokenizer):
+    engine = _engine(tiny_llama, tiny_tokenizer, level=0, store_options=[0])
+    engine.store_documents(DOCS[:1])
+    pieces = engine.documents.pieces(engine.tokenizer(DOCS[0], add_special_tokens=False)["input_ids"])
+    assert len(pieces) > 1
+    for c in pieces:  # after the preamble, as ``compute`` prefills it
+        assert engine.codec.check(engine.store.get(blob_key(c.key, 0)), 0).header.start == len(engine.documents.preamble) + c.start
+
+
 def test_recompute_ratio_one_answers_as_full_prefill(tiny_llama, tiny_tokenizer):
     engine = _engine(tiny_llama, tiny_tokenizer, blend=BlendConfig(recompute_ratio=1.0))
     engine.store_documents(DOCS[:2])

@@ -176,6 +176,19 @@ def test_store_kv_get_kv_generate_with_kv(engine, tiny_llama, tiny_tokenizer):
     assert engine.generate_with_kv(kv, prompt, max_new_tokens=6) == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 6)
 
 
+def test_a_level_codes_each_chunk_at_its_own_position(engine):
+    # keys are coded before the rotary embedding of the chunk's own positions: coded as if at position 0, every chunk
+    # after the first had its keys turned by a constant angle the profile's transform does not expect (47 % larger blobs)
+    context = words(14, 3 * CHUNK)
+    keys = engine.store_kv(context)
+    exact = engine.calculate_kv(context)
+    for i, key in enumerate(keys):
+        checked = engine.codec.check(engine.store.get(blob_key(key, 0)), 0)
+        assert checked.header.start == i * CHUNK
+        kv, ref = engine.codec.decode(checked), exact.slice(i * CHUNK, (i + 1) * CHUNK)
+        assert (kv.keys - ref.keys).abs().max() < 0.05 * ref.keys.abs().max()  # level 0: near-lossless, at these positions
+
+
 def test_stream_matches_generate(engine):
     prompt = words(12, 150)
     text, _ = engine.generate(prompt, max_new_tokens=8)

@@ -139,9 +139,12 @@ class ChunkWriter:
         stages = [[o for o in self.options if o in RAW_OPTIONS], [o for o in self.options if o not in RAW_OPTIONS]]
         return [st for st in stages if st]
 
-    def encode(self, kv: KVCache, option: Option) -> bytes:
+    def encode(self, chunk: Chunk, kv: KVCache, option: Option) -> bytes:
+        """``kv`` (the chunk's) in ``option``; a level codes its keys before the rotary embedding of the chunk's positions."""
         host_ready(kv)  # a chunk submitted from a GPU: its copy to the host is done
-        return self.raw.encode(kv, option) if option in RAW_OPTIONS else self.codec.encode(kv, option)  # type: ignore[arg-type]
+        if option in RAW_OPTIONS:
+            return self.raw.encode(kv, option)  # type: ignore[arg-type]
+        return self.codec.encode(kv, option, start=chunk.position)  # type: ignore[arg-type]
 
     def write(self, chunk: Chunk, kv: KVCache, stage: int | None = None, before: Manifest | None = None,
               blobs: dict[Option, bytes] | None = None) -> Manifest:  # fmt: skip
@@ -149,7 +152,7 @@ class ChunkWriter:
         manifest ``before``; ``blobs``: that stage already encoded); raises ``StoreError``/``CacheGenError``."""
         options = self.options if stage is None else self.stages[stage]
         kv = to_host(kv)  # (from a GPU: ``store_kv``; the worker's chunks are on the host already)
-        blobs = blobs if blobs is not None else {o: self.encode(kv, o) for o in options}
+        blobs = blobs if blobs is not None else {o: self.encode(chunk, kv, o) for o in options}
         try:
             self.store.put_many([(blob_key(chunk.key, o), b) for o, b in blobs.items()])
             # Another writer (another engine configuration) may have stored other forms of this chunk:
@@ -222,7 +225,7 @@ class ChunkWriter:
 
     def _write_behind(self, chunk: Chunk, kv: KVCache, options: list[Option]) -> bool:
         assert self._worker is not None
-        blobs = {o: self.encode(kv, o) for o in options}
+        blobs = {o: self.encode(chunk, kv, o) for o in options}
         manifest = Manifest({**self._stored(chunk), **{o: len(b) for o, b in blobs.items()}})
         self.hot.put(chunk.key, {**{blob_key(chunk.key, o): b for o, b in blobs.items()}, manifest_key(chunk.key): manifest.to_bytes()})
         if not self._worker.submit(chunk, kv, 0, None, blobs):

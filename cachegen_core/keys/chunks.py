@@ -49,12 +49,20 @@ _MAX_TOKEN_ID = 2**32 - 1
 
 @dataclass(frozen=True)
 class Chunk:
-    """One complete chunk: token span ``[start, end)`` of the context and its store key."""
+    """One complete chunk: token span ``[start, end)`` of the context and its store key. ``offset``: its KV was
+    computed at context positions ``start + offset`` on (a document's piece: after the preamble), which the
+    codec needs to code its keys before the rotary embedding."""
 
     index: int
     start: int
     end: int
     key: str
+    offset: int = 0
+
+    @property
+    def position(self) -> int:
+        """The context position its KV's first token was computed at."""
+        return self.start + self.offset
 
     @property
     def num_tokens(self) -> int:

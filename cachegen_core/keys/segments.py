@@ -113,7 +113,7 @@ def document_pieces(
     for i, start in enumerate(range(0, len(tokens), piece_tokens)):
         end = min(start + piece_tokens, len(tokens))
         h.update(tokens[start:end].tobytes())
-        pieces.append(Chunk(index=i, start=start, end=end, key=h.copy().hexdigest()))
+        pieces.append(Chunk(index=i, start=start, end=end, key=h.copy().hexdigest(), offset=len(preamble)))
     return pieces
 
 
