@@ -149,7 +149,8 @@ def measure(model: Any, tok: Any, contexts: list[list[int]], question: list[int]
     sizes = {f: _fit([[1, x] for x, _ in pts], [y for _, y in pts]) for f, pts in size.items()}
     costs = Costs((g, alpha, beta), {f: (0.0, c[0]) for f, (c, _) in fits.items()}, {f: tuple(c) for f, (c, _) in sizes.items()},
                   probe_s, rag, fp16_bytes_per_token=round(sizes[RAW][0][1]))  # fmt: skip
-    points = {"codec": codec_id, "profile": profile_id, "step_weights": weighted, "prefill": prefill, "stream": {str(f): p for f, p in stream.items()}, "bytes": {str(f): p for f, p in size.items()},
+    points = {"codec": codec_id, "profile": profile_id, "step_weights": weighted,
+              "prefill": prefill, "stream": {str(f): p for f, p in stream.items()}, "bytes": {str(f): p for f, p in size.items()},
               "probe_s": probe_s, "rag_miss_hit_s": rag, "prefill_fit": [g, alpha, beta], "prefill_fit_error": round(perr, 4),
               "stream_fit": {str(f): c for f, (c, _) in fits.items()}, "stream_fit_error": {str(f): round(e, 4) for f, (_, e) in fits.items()},
               "bytes_fit": {str(f): c for f, (c, _) in sizes.items()}}  # fmt: skip
