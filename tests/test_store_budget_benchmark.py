@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import common, store_budget
 from benchmarks.budget_traces import CHUNK, LEVEL, RAW, Costs, Replay, chat_trace, rag_trace, summarise, zipf_trace
+from cachegen_core.codec import fitting
 from cachegen_core.stores import DiskCacheStore
 from cachegen_core.testing import words
 
@@ -84,6 +85,7 @@ def test_rag_questions_reuse_documents_wherever_they_are(tmp_path):
 def test_the_script_runs_end_to_end_on_a_shaped_model(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(common, "DEFAULT_MODEL", tiny_model_dir)  # the tokenizer a shaped model takes
     monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(fitting, "calibration_texts", lambda: [words(7, 700)])  # the tiny tokenizer knows these words only
     data = tmp_path / "t.jsonl"
     data.write_text("".join(json.dumps({"prompt": words(300 + i, 3000), "label": ["x"]}) + "\n" for i in range(4)))
     out, png = tmp_path / "out.jsonl", tmp_path / "budget.png"

@@ -67,21 +67,21 @@ def test_a_weighted_blob_decodes_with_any_codec_without_a_profile(tiny_kv, tiny_
     plain, weighted = KVCodec(rotary=rot), KVCodec(rotary=rot, weights=w)
     kv = tiny_kv.slice(0, 100)
     for level in (1, 2):
-        blob = weighted.encode(kv, level)
+        blob = weighted.encode(kv, level, start=0)
         assert plain.decode(blob).keys.equal(weighted.decode(blob).keys)  # steps travel in the blob: nothing else to know
-        err_plain = (plain.decode(plain.encode(kv, level)).keys[1] - kv.keys[1]).abs().max()
+        err_plain = (plain.decode(plain.encode(kv, level, start=0)).keys[1] - kv.keys[1]).abs().max()
         err_weighted = (weighted.decode(blob).keys[1] - kv.keys[1]).abs().max()
         assert err_weighted < err_plain / 2
         assert weighted.codec_id == plain.codec_id  # not part of what a key or a blob binds
     with pytest.raises(KVShapeError, match="step weights"):
-        KVCodec(weights=w[:, :2]).encode(kv, 1)
+        KVCodec(weights=w[:, :2]).encode(kv, 1, start=0)
 
 
 def test_weights_leave_a_profiled_codec_alone(tiny_kv):
     config = CodecConfig()
     profile = Profile.fit(config, [tiny_kv], chunk_tokens=64)
     w = torch.full((2, tiny_kv.num_layers, tiny_kv.num_kv_heads, tiny_kv.head_dim), 0.25)
-    assert KVCodec(config, profile, weights=w).encode(tiny_kv, 1) == KVCodec(config, profile).encode(tiny_kv, 1)
+    assert KVCodec(config, profile, weights=w).encode(tiny_kv, 1, start=0) == KVCodec(config, profile).encode(tiny_kv, 1, start=0)
 
 
 def test_fit_weights_measures_the_model(tiny_llama, tiny_tokenizer):
@@ -93,6 +93,8 @@ def test_fit_weights_measures_the_model(tiny_llama, tiny_tokenizer):
     assert torch.equal(w, fit_weights(tiny_llama, tiny_tokenizer, text, rotary=rot, context=128, continuation=32))  # seeded
     with pytest.raises(ValueError, match="at least"):
         fit_weights(tiny_llama, tiny_tokenizer, words(5, 20), rotary=rot, context=128, continuation=32)
+    with pytest.raises(ValueError, match="repeated"):  # words it does not know: all one token, the KV only rounding noise
+        fit_weights(tiny_llama, tiny_tokenizer, "the calibration text " * 100, rotary=rot, context=128, continuation=32)
 
 
 def test_an_engine_without_a_profile_codes_with_weights_measured_at_load(tiny_llama, tiny_tokenizer, caplog, monkeypatch):

@@ -130,13 +130,16 @@ def fit_weights(
     tokens scored on it. A forward and a backward pass over ``context + continuation`` tokens: about 3 s for the
     reference model on 2 CPU cores. 128 scored tokens rather than 64: top-1 agreement 0.1-0.3 point higher on
     held-out transcripts at the same bits (``docs/results.md``, "Without a profile"). ``ValueError`` when the
-    text is too short to score anything."""
+    text is too short to score anything, or is one token repeated (a tokenizer that does not know its words:
+    the KV would vary by rounding noise only)."""
     config = config or CodecConfig()
     text = calibration_texts()[0] if text is None else text
     ids = tokenizer(text)["input_ids"][: context + continuation]
     n = len(ids) - continuation
     if n < config.sink_tokens + 2:
         raise ValueError(f"fit_weights needs a text of at least {config.sink_tokens + 2 + continuation} tokens")
+    if len(set(ids)) < 2:
+        raise ValueError(f"the text is token {ids[0]} repeated for this tokenizer: nothing to measure the model's sensitivity on")
     device = getattr(model, "device", torch.device("cpu"))
     kv = _prefill(model, ids[:n], n, contextlib.nullcontext)
     stats = KVStats.empty(kv.num_layers, kv.num_kv_heads, kv.head_dim)
