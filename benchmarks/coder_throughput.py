@@ -85,7 +85,7 @@ def real_chunks(
     config = CodecConfig()
     out = []
     for profile in (find_profile(fp, config), None):
-        p = KVCodec(config, profile, fingerprint=fp).prepare(kv, level)
+        p = KVCodec(config, profile, fingerprint=fp).prepare(kv, level, start=0)
         out.append((f"{model_name}-{tokens}tok-L{level}-{'profile' if profile else 'inline'}", p.symbols, p.layout, p.freqs))
     return out
 

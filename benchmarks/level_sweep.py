@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
         kv = context_kv(model, ctx)
         ref, n, ref_top = score(model, kv.to(dtype=torch.float16).to(dtype=kv.dtype), cont)
         for lv in range(config.n_levels):
-            blob = codec.encode(kv, lv)
+            blob = codec.encode(kv, lv, start=0)
             nll, n, top = score(model, codec.decode(blob), cont)
             t = tally[lv]
             t[0] += len(blob)

@@ -54,7 +54,7 @@ def measure(kv: KVCache, group_channels: int, devices: list[str], reps: int) -> 
     rows = []
     for device in devices:
         codec = KVCodec(cfg, profile, device=device)
-        blob = codec.encode(kv, 1)
+        blob = codec.encode(kv, 1, start=0)
         out = KVCache(*(torch.empty(kv.shape, dtype=torch.bfloat16, device=device) for _ in range(2)))
         got = codec.decode(blob, out=out)  # warm-up: kernels compiled, matrices on the device
         err = ((got.keys.float().cpu() - kv.keys).norm() / kv.keys.norm()).item()

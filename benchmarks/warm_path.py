@@ -217,7 +217,7 @@ def engine_ttft(engine: KVEngine, ids: list[int]) -> dict[str, Any]:
 def rans_rate(engine: KVEngine, kv: KVCache) -> float:
     """Symbols per second of the native rANS decoder alone on this chunk (tables built outside the timing)."""
     codec = engine.codec
-    p = codec.prepare(kv, codec.config.default_level)
+    p = codec.prepare(kv, codec.config.default_level, start=0)
     payloads = codec.coder.encode(p.symbols, p.layout, p.freqs)
     codec.coder.decode(payloads, p.layout, p.freqs)  # warm-up: tables converted and cached
     best = best_time(lambda: codec.coder.decode(payloads, p.layout, p.freqs), 3)[0]

@@ -33,7 +33,7 @@ def _expected(kv: KVCache, codec: KVCodec, level: int, start: int = 0) -> KVCach
 @pytest.mark.parametrize("level", range(CodecConfig().n_levels))
 def test_round_trip_is_the_quantiser_exactly(tiny_kv, level):
     codec = KVCodec()
-    blob = codec.encode(tiny_kv, level)
+    blob = codec.encode(tiny_kv, level, start=0)
     got = codec.decode(blob)
     want = _expected(tiny_kv, codec, level)
     assert got.shape == tiny_kv.shape and got.dtype == tiny_kv.dtype
@@ -45,7 +45,7 @@ def test_levels_get_smaller_and_coarser(tiny_kv):
     codec = KVCodec()
     sizes, errs = [], []
     for lvl in codec.levels:
-        blob = codec.encode(tiny_kv, lvl)
+        blob = codec.encode(tiny_kv, lvl, start=0)
         sizes.append(len(blob))
         errs.append((codec.decode(blob).keys - tiny_kv.keys).square().mean().item())
     assert sizes == sorted(sizes, reverse=True) and errs == sorted(errs)
@@ -54,7 +54,7 @@ def test_levels_get_smaller_and_coarser(tiny_kv):
 def test_payload_within_one_percent_of_cross_entropy():
     torch.manual_seed(0)
     kv = KVCache(torch.randn(2, 2, 640, 32).cumsum(2) * 0.1, torch.randn(2, 2, 640, 32))
-    _, stats = KVCodec().encode_with_stats(kv, 1)
+    _, stats = KVCodec().encode_with_stats(kv, 1, start=0)
     assert stats["payload_bits_per_element"] <= stats["ideal_bits_per_element"] * 1.01
     assert stats["payload_bits_per_element"] >= stats["ideal_bits_per_element"] * 0.999
 
@@ -72,8 +72,8 @@ def test_profile_codec_is_smaller_and_exact(tiny_llama, tiny_kv, tmp_path):
     loaded = Profile.load(path)
     assert loaded.id == prof.id and np.array_equal(loaded.freqs, prof.freqs)
     with_p, without = KVCodec(cfg, loaded), KVCodec(cfg)
-    blob = with_p.encode(tiny_kv, 1)
-    assert len(blob) < len(without.encode(tiny_kv, 1))
+    blob = with_p.encode(tiny_kv, 1, start=0)
+    assert len(blob) < len(without.encode(tiny_kv, 1, start=0))
     assert read_header(blob)["profile_id"] == prof.id
     want = _expected(tiny_kv, with_p, 1)
     assert torch.equal(with_p.decode(blob).keys, want.keys)
@@ -89,7 +89,7 @@ def test_finest_level_generates_the_same_greedy_tokens(tiny_llama, seed):
     with torch.no_grad():
         plain = tiny_llama.generate(ids, max_new_tokens=10, do_sample=False)
         kv = KVCache.from_dynamic_cache(tiny_llama(ids[:, :-1], use_cache=True).past_key_values)
-        decoded = codec.decode(codec.encode(kv, 0))
+        decoded = codec.decode(codec.encode(kv, 0, start=0))
         cached = tiny_llama.generate(ids, **cache_arg(tiny_llama, decoded.to_dynamic_cache(tiny_llama.config)), max_new_tokens=10, do_sample=False)
     assert torch.equal(plain, cached)
 
@@ -128,7 +128,7 @@ def _repack_header(blob: bytes, **fields) -> bytes:
 def _small_blob():
     torch.manual_seed(11)
     kv = KVCache(torch.randn(1, 1, 12, 2), torch.randn(1, 1, 12, 2))
-    return KVCodec(fingerprint="m1").encode(kv, 1)
+    return KVCodec(fingerprint="m1").encode(kv, 1, start=0)
 
 
 def test_every_truncation_is_a_format_error():
@@ -188,7 +188,7 @@ def test_a_forked_child_hashes_big_blobs_too():
 
 
 def test_foreign_blobs_are_rejected(tiny_kv):
-    blob = KVCodec(fingerprint="model-a").encode(tiny_kv, 1)
+    blob = KVCodec(fingerprint="model-a").encode(tiny_kv, 1, start=0)
     with pytest.raises(CacheGenFormatError, match="another model"):
         KVCodec(fingerprint="model-b").decode(blob)
     with pytest.raises(CacheGenFormatError, match="codec"):
@@ -204,24 +204,26 @@ def test_foreign_blobs_are_rejected(tiny_kv):
 def test_bad_inputs_to_encode(tiny_kv):
     codec = KVCodec()
     with pytest.raises(KVShapeError, match="empty"):
-        codec.encode(tiny_kv.slice(0, 0))
+        codec.encode(tiny_kv.slice(0, 0), start=0)
     with pytest.raises(ValueError, match="level"):
-        codec.encode(tiny_kv, 9)
+        codec.encode(tiny_kv, 9, start=0)
     with pytest.raises(ValueError, match="start"):
         codec.encode(tiny_kv, 1, start=-1)
+    with pytest.raises(TypeError, match="start"):  # no default: a later chunk coded as if at 0 costs half again
+        codec.encode(tiny_kv, 1)  # type: ignore[call-arg]
     bad = tiny_kv.keys.clone()
     bad[0, 0, 0, 0] = float("nan")
     with pytest.raises(KVShapeError, match="NaN"):
-        codec.encode(KVCache(bad, tiny_kv.values))
+        codec.encode(KVCache(bad, tiny_kv.values), start=0)
     for value in (float("inf"), float("-inf")):  # in the values, at the last element, in float16 too
         bad = tiny_kv.values.clone().half()
         bad[-1, -1, -1, -1] = value
         with pytest.raises(KVShapeError, match="infinite"):
-            codec.encode(KVCache(tiny_kv.keys.half(), bad))
+            codec.encode(KVCache(tiny_kv.keys.half(), bad), start=0)
 
 
 def test_reference_coder_recorded(tiny_kv):
-    blob = KVCodec(coder=ReferenceCoder()).encode(tiny_kv.slice(0, 20), 2)
+    blob = KVCodec(coder=ReferenceCoder()).encode(tiny_kv.slice(0, 20), 2, start=0)
     assert read_header(blob)["coder"] == "torchac"
 
 
@@ -248,7 +250,7 @@ def test_forged_header_cannot_make_the_decoder_allocate_without_bound():
 
 def test_decode_checks_the_expected_level(tiny_kv):
     codec = KVCodec()
-    blob = codec.encode(tiny_kv.slice(0, 30), 2)
+    blob = codec.encode(tiny_kv.slice(0, 30), 2, start=0)
     assert torch.equal(codec.decode(blob, level=2).keys, codec.decode(blob).keys)
     for other in (0, 1, 3):  # a blob planted under another level's key
         with pytest.raises(CacheGenFormatError, match="level 2, expected level"):
@@ -258,7 +260,7 @@ def test_decode_checks_the_expected_level(tiny_kv):
 def test_check_header_returns_what_decoding_needs(tiny_kv):
     codec = KVCodec(fingerprint="m1")
     kv = tiny_kv.slice(0, 30).to(torch.float16)
-    blob = codec.encode(kv, 3)
+    blob = codec.encode(kv, 3, start=0)
     h = codec.check_header(read_header(blob), len(blob))
     assert (h.level, h.shape, h.dtype, h.tables, h.coder) == (3, kv.shape, torch.float16, "inline", codec.coder.name)
     assert (h.profile_id, h.model_fingerprint, h.channels) == (None, "m1", kv.num_kv_heads * kv.head_dim)
@@ -289,7 +291,7 @@ def test_decode_uses_the_decoder_of_the_device(tiny_kv, monkeypatch):
     from cachegen_core.coders import registry
 
     kv = tiny_kv.slice(0, 40)
-    blob = KVCodec(coder=NativeCoder()).encode(kv, 1)
+    blob = KVCodec(coder=NativeCoder()).encode(kv, 1, start=0)
     want = KVCodec().decode(blob)
     monkeypatch.setitem(registry.DEVICE_DECODERS, (NativeCoder.name, "cuda"), _FakeGpuDecoder)
     _FakeGpuDecoder.calls.clear()
@@ -297,12 +299,12 @@ def test_decode_uses_the_decoder_of_the_device(tiny_kv, monkeypatch):
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
     assert _FakeGpuDecoder.calls == [torch.device("cuda:1")] * 2
     with pytest.raises(BackendUnavailable, match="no cuda decoder"):  # torchac decodes on the CPU only
-        KVCodec().decode(KVCodec(coder=ReferenceCoder()).encode(kv, 1), device="cuda:1")
+        KVCodec().decode(KVCodec(coder=ReferenceCoder()).encode(kv, 1, start=0), device="cuda:1")
 
 
 def test_an_unavailable_device_is_a_typed_error_not_a_format_error(tiny_kv, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    blob = KVCodec(coder=NativeCoder()).encode(tiny_kv.slice(0, 40), 1)
+    blob = KVCodec(coder=NativeCoder()).encode(tiny_kv.slice(0, 40), 1, start=0)
     for call in (lambda: KVCodec(coder=NativeCoder(), device="cuda"), lambda: KVCodec().decode(blob, device="cuda")):
         with pytest.raises(BackendUnavailable, match="CUDA") as e:
             call()
@@ -327,9 +329,9 @@ def test_a_v1_blob_is_rejected_naming_its_version():
 def test_error_bound_per_element(tiny_kv):
     """Each component is within half its step, so each element is within sum_j |B_ij| step_j / 2."""
     codec = KVCodec(CodecConfig(sink_tokens=0))
-    blob = codec.encode(tiny_kv, 2)
+    blob = codec.encode(tiny_kv, 2, start=0)
     got = codec.decode(blob)
-    step = codec.prepare(tiny_kv, 2).coded.step  # identity transform: B = I
+    step = codec.prepare(tiny_kv, 2, start=0).coded.step  # identity transform: B = I
     for kind, (x, y) in enumerate(((tiny_kv.keys, got.keys), (tiny_kv.values, got.values))):
         err = (x - y).abs() - 8 * x.abs() * 2.0**-23
         assert (err <= step[kind][:, :, None, :] / 2).all()
@@ -337,12 +339,12 @@ def test_error_bound_per_element(tiny_kv):
 
 def test_sink_tokens_are_exact_and_only_at_the_context_start(tiny_kv):
     codec = KVCodec(CodecConfig(sink_tokens=2))
-    got = codec.decode(codec.encode(tiny_kv, 3))
+    got = codec.decode(codec.encode(tiny_kv, 3, start=0))
     assert torch.equal(got.keys[:, :, :2], tiny_kv.keys[:, :, :2]) and torch.equal(got.values[:, :, :2], tiny_kv.values[:, :, :2])
     assert not torch.equal(got.values[:, :, 2], tiny_kv.values[:, :, 2])
     later = codec.decode(codec.encode(tiny_kv, 3, start=1536))  # a later chunk of the context: no sink in it
     assert not torch.equal(later.values[:, :, 0], tiny_kv.values[:, :, 0])
-    assert len(codec.encode(tiny_kv, 3)) > len(codec.encode(tiny_kv, 3, start=1536))
+    assert len(codec.encode(tiny_kv, 3, start=0)) > len(codec.encode(tiny_kv, 3, start=1536))
 
 
 @pytest.mark.parametrize(
@@ -426,7 +428,7 @@ def test_decoding_at_another_start_re_rotates_the_keys(tiny_llama):
     want = spec.rotate(spec.unrotate(same.keys, 400), 37)
     assert torch.allclose(moved.keys, want, atol=1e-5)
     with pytest.raises(ValueError, match="rotary"):  # without the rotary embedding positions cannot move
-        KVCodec(CodecConfig(sink_tokens=0)).decode(KVCodec(CodecConfig(sink_tokens=0)).encode(at_p, 0), start=5)
+        KVCodec(CodecConfig(sink_tokens=0)).decode(KVCodec(CodecConfig(sink_tokens=0)).encode(at_p, 0, start=0), start=5)
     with pytest.raises(CacheGenFormatError, match="rotary"):  # keys coded before RoPE need the same RoPE
         KVCodec(CodecConfig(sink_tokens=0)).decode(blob)
 
@@ -436,7 +438,7 @@ def test_exact_sink_tokens_move_with_the_start(tiny_llama, tiny_kv):
 
     spec = RotarySpec.from_model(tiny_llama)
     codec = KVCodec(rotary=spec)
-    blob = codec.encode(tiny_kv, 1)
+    blob = codec.encode(tiny_kv, 1, start=0)
     assert torch.equal(codec.decode(blob).keys[:, :, 0], tiny_kv.keys[:, :, 0])
     moved = codec.decode(blob, start=10)
     assert torch.allclose(moved.keys[:, :, :1], spec.rotate(spec.unrotate(tiny_kv.keys[:, :, :1], 0), 10), atol=1e-5)

@@ -68,7 +68,7 @@ def test_a_coder_without_a_decoder_for_the_device():
 def test_torchac_is_listed_only_when_installed(monkeypatch, fresh_registry, tiny_kv):
     from cachegen_core.codec.kvcodec import KVCodec
 
-    blob = KVCodec(coder=ReferenceCoder()).encode(tiny_kv.slice(0, 20), 2)
+    blob = KVCodec(coder=ReferenceCoder()).encode(tiny_kv.slice(0, 20), 2, start=0)
     assert ReferenceCoder.name in coders.available_coders()
     _without_torchac(monkeypatch)
     coders.available_coders.cache_clear()

@@ -146,7 +146,7 @@ def test_foreign_blob_planted_under_a_key_is_rejected(engine, tiny_llama, tiny_t
     engine.generate(prompt, max_new_tokens=4)
     c0 = engine.chunks(prompt)[0]
     other = KVEngine(make_tiny_llama(seed=9), tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, level=0, background=False)
-    foreign = other.codec.encode(other.calculate_kv(words(8, CHUNK)), 0)
+    foreign = other.codec.encode(other.calculate_kv(words(8, CHUNK)), 0, start=0)
     engine.store.put(blob_key(c0.key, 0), foreign)
     text, info = engine.generate(prompt, max_new_tokens=4)
     assert info.cached_tokens == 0 and "another model" in info.errors[0]

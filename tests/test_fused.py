@@ -69,7 +69,7 @@ def test_the_kv_decoder_writes_a_slice_in_the_blobs_dtype_bit_exact(tiny_kv, tin
     codec = KVCodec(CodecConfig(sink_tokens=2), rotary=RotarySpec.from_model(tiny_llama))
     kv = KVCache(tiny_kv.keys.to(dtype), tiny_kv.values.to(dtype)).slice(0, 40)
     for level in codec.levels:
-        blob = codec.encode(kv, level)
+        blob = codec.encode(kv, level, start=0)
         ref = torch_path(codec, blob)
         buf = KVCache(torch.full((3, 2, 100, 16), 7.0, dtype=dtype), torch.full((3, 2, 100, 16), 7.0, dtype=dtype))
         out = buf.slice(30, 70)
@@ -80,7 +80,7 @@ def test_the_kv_decoder_writes_a_slice_in_the_blobs_dtype_bit_exact(tiny_kv, tin
 
 def test_the_kv_decoder_refuses_inconsistent_arguments(tiny_kv):
     codec = KVCodec()
-    blob = codec.encode(tiny_kv, 1)
+    blob = codec.encode(tiny_kv, 1, start=0)
     c = unpack(blob, codec.limits, views=True)
     h = codec.check_header(c.header, len(blob))
     geo = codec._geometry(*h.shape, h.start)
@@ -101,7 +101,7 @@ def test_the_kv_decoder_refuses_inconsistent_arguments(tiny_kv):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_decodes_into_a_slice_of_a_larger_buffer_in_its_dtype(tiny_kv, dtype):
     codec = KVCodec()
-    blob = codec.encode(tiny_kv.slice(0, 40), 1)
+    blob = codec.encode(tiny_kv.slice(0, 40), 1, start=0)
     ref = torch_path(codec, blob)
     buf = KVCache(torch.full((3, 2, 100, 16), 7.0, dtype=dtype), torch.full((3, 2, 100, 16), 7.0, dtype=dtype))
     out = buf.slice(30, 70)
@@ -112,14 +112,14 @@ def test_decodes_into_a_slice_of_a_larger_buffer_in_its_dtype(tiny_kv, dtype):
 
 def test_a_buffer_of_another_shape_is_a_format_error(tiny_kv):
     codec = KVCodec()
-    blob = codec.encode(tiny_kv.slice(0, 40), 1)
+    blob = codec.encode(tiny_kv.slice(0, 40), 1, start=0)
     with pytest.raises(CacheGenFormatError, match="shape"):
         codec.decode(blob, out=KVCache(torch.empty(3, 2, 41, 16), torch.empty(3, 2, 41, 16)))
 
 
 def test_values_beyond_the_output_dtype_are_refused():
     big = KVCache(torch.randn(2, 1, 20, 8) * 30000, torch.randn(2, 1, 20, 8))
-    blob = KVCodec().encode(big, 0)
+    blob = KVCodec().encode(big, 0, start=0)
     KVCodec().decode(blob)  # float32 holds it
     with pytest.raises(CacheGenFormatError, match="range"):
         KVCodec().decode(blob, out=KVCache(torch.empty(2, 1, 20, 8, dtype=torch.float16), torch.empty(2, 1, 20, 8, dtype=torch.float16)))

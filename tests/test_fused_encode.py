@@ -175,11 +175,11 @@ def test_non_finite_kv_is_the_same_shape_error(tiny_kv, tiny_llama, monkeypatch,
     kv = KVCache(keys, values)
     for codec in (KVCodec(), KVCodec(rotary=RotarySpec.from_model(tiny_llama))):
         with pytest.raises(KVShapeError, match="NaN or infinite"):
-            codec.encode(kv, 1)
+            codec.encode(kv, 1, start=0)
         with monkeypatch.context() as m:
             m.setattr(fused_encode, "supports", lambda kv: False)
             with pytest.raises(KVShapeError, match="NaN or infinite"):
-                codec.encode(kv, 1)
+                codec.encode(kv, 1, start=0)
 
 
 def test_one_layer_and_all_exact_chunks_take_the_torch_path(tiny_kv):

@@ -26,7 +26,7 @@ def test_limits_can_only_be_tightened():
 
 
 def test_the_expansion_bound_is_checked_on_the_header(tiny_kv):
-    blob = KVCodec().encode(tiny_kv, 3)
+    blob = KVCodec().encode(tiny_kv, 3, start=0)
     header = read_header(blob)
     elements = 2 * tiny_kv.keys.numel()
     small = elements // 100  # a forged size: 100 elements per byte

@@ -72,7 +72,7 @@ def test_a_codec_without_a_coder_refuses_levels_with_a_typed_error(monkeypatch, 
     codec = KVCodec()
     assert codec.coder is None and codec.levels  # built: its ids and levels still key and describe chunks
     with pytest.raises(BackendUnavailable, match="no entropy coder can run here"):
-        codec.encode(tiny_kv, 1)
+        codec.encode(tiny_kv, 1, start=0)
     with pytest.raises(BackendUnavailable, match="no entropy coder can run here"):
         KVCodec(device="cuda")
 

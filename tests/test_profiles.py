@@ -59,7 +59,7 @@ def test_the_bank_is_normalised_and_its_classes_match_gaussian_scales():
 
 def test_without_a_profile_the_blob_carries_each_components_class(tiny_kv):
     codec = KVCodec()
-    blob = codec.encode(tiny_kv, 1)
+    blob = codec.encode(tiny_kv, 1, start=0)
     c = unpack(blob)
     got = c.sections["classes"]
     L, H, _, D = tiny_kv.shape
@@ -74,16 +74,16 @@ def test_a_codec_with_a_profile_refuses_a_blob_coded_without_one(tiny_kv):
     prof = Profile.fit(CodecConfig(), [tiny_kv], chunk_tokens=32, model_fingerprint="")
     plain, profiled = KVCodec(), KVCodec(profile=prof)
     with pytest.raises(CacheGenFormatError, match="coded without a profile"):
-        profiled.decode(plain.encode(tiny_kv, 1))
+        profiled.decode(plain.encode(tiny_kv, 1, start=0))
     with pytest.raises(CacheGenFormatError, match="needs profile"):
-        plain.decode(profiled.encode(tiny_kv, 1))
+        plain.decode(profiled.encode(tiny_kv, 1, start=0))
 
 
 def test_a_class_past_the_bank_is_a_format_error(tiny_kv):
     from cachegen_core.codec.format import pack
 
     codec = KVCodec()
-    c = unpack(codec.encode(tiny_kv, 1))
+    c = unpack(codec.encode(tiny_kv, 1, start=0))
     sections = {k: np.array(v) for k, v in c.sections.items()}
     sections["classes"][0, 0, 0] = 64
     header = {k: v for k, v in c.header.items() if k not in ("sections", "n_streams", "streams_crc32")}

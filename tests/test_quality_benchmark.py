@@ -90,8 +90,8 @@ def test_profile_command_writes_a_profile_the_codec_uses(tiny_llama, tiny_tokeni
     with torch.no_grad():
         kv = KVCache.from_dynamic_cache(tiny_llama(torch.randint(7, 128, (1, 128)), use_cache=True).past_key_values)
     with_p, without = KVCodec(CodecConfig(), profile), KVCodec(CodecConfig())
-    blob = with_p.encode(kv)
-    assert len(blob) < len(without.encode(kv))
+    blob = with_p.encode(kv, start=0)
+    assert len(blob) < len(without.encode(kv, start=0))
     # v2: the profile also carries the per-head transform, so the reconstruction is the pipeline's with it
     tf = profile.transform
     comp = components(kv, tf, start=0, sink_tokens=with_p.config.sink_tokens, rotary=profile.rotary)

@@ -74,7 +74,7 @@ def test_forged_blob_of_wrong_shape_is_rejected_by_get_kv(bench):
     eng = bench.engine(MemoryStore())
     ids = eng.store_kv(R.prompt(190, chunks=1, tail=0))
     kv = eng.get_kv(ids)
-    eng.store.put(blob_key(ids[0], 0), eng.codec.encode(KVCache(kv.keys[:-1], kv.values[:-1]), 0))
+    eng.store.put(blob_key(ids[0], 0), eng.codec.encode(KVCache(kv.keys[:-1], kv.values[:-1]), 0, start=0))
     with pytest.raises(CacheGenFormatError, match="model's"):
         eng.get_kv(ids)
 

@@ -65,7 +65,7 @@ def _plant_forged_chunks(eng: KVEngine, inner: MemoryStore, prompt: str, how: st
     planted = []
     for c in eng.chunks(prompt):
         kv = eng.calculate_kv(eng.tokenize(prompt)[: c.end]).slice(c.start, c.end)
-        forged = eng.codec.encode(KVCache(kv.keys * -3.0, kv.values.flip(-1)), eng.level)  # valid CRCs, wrong KV
+        forged = eng.codec.encode(KVCache(kv.keys * -3.0, kv.values.flip(-1)), eng.level, start=0)  # valid CRCs, wrong KV
         manifest = Manifest({eng.level: len(forged)}).to_bytes()
         if how == "wrong tag":
             forged, manifest = sign(OTHER, blob_key(c.key, eng.level), forged), sign(OTHER, manifest_key(c.key), manifest)

@@ -45,7 +45,7 @@ def test_stats_of_a_disk_store(tmp_path, capsys, tiny_llama, tiny_tokenizer):
     other = make_tiny_llama(seed=7)
     other_eng = fill(store, tiny_llama, tiny_tokenizer, 2, 2, model=other)
     store.put("not-a-chunk", b"x" * 10)
-    store.put("f" * 64 + "-L0", eng.codec.encode(eng.calculate_kv(words(3, CHUNK)), 0))  # a blob without manifest
+    store.put("f" * 64 + "-L0", eng.codec.encode(eng.calculate_kv(words(3, CHUNK)), 0, start=0))  # a blob without manifest
     s = run_cli(capsys, "stats", str(tmp_path / "kv"))
     assert (s["chunks"], s["manifests"], s["blobs"], s["chunks_without_manifest"], s["other_keys"]) == (6, 5, 16, 1, 1)
     assert s["entries"] == 5 + 16 + 1

@@ -188,7 +188,7 @@ def test_kv_is_the_cpu_decoders_at_every_level(on_gpu, in_bounds, tiny_llama, ti
     cpu, gpu = KVCodec(ONE_TOKEN, rotary=spec), KVCodec(ONE_TOKEN, rotary=spec, device="cuda")
     kv = tiny_kv.slice(0, 20).to(dtype)  # from position 0: the exact sink token too
     for level in cpu.levels:
-        want, got = _decode_both(cpu, gpu, cpu.encode(kv, level), 7 if rotary else 0, dtype, on_gpu.device)
+        want, got = _decode_both(cpu, gpu, cpu.encode(kv, level, start=0), 7 if rotary else 0, dtype, on_gpu.device)
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
     assert str(on_gpu.device) in fused._VERIFIED  # the fused kernel wrote them, and agreed with the torch path
 
@@ -232,7 +232,7 @@ def test_kv_with_a_profile_at_every_level(on_gpu, in_bounds, tiny_llama, tiny_kv
 
 def test_one_long_substream_of_the_default_configuration(on_gpu, in_bounds, tiny_kv):
     cpu, gpu = KVCodec(), KVCodec(device="cuda")
-    blob = cpu.encode(tiny_kv.slice(0, 8), 1)
+    blob = cpu.encode(tiny_kv.slice(0, 8), 1, start=0)
     want, got = _decode_both(cpu, gpu, blob, 0, tiny_kv.dtype, on_gpu.device)
     assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
 
@@ -241,7 +241,7 @@ def test_hostile_blobs_are_typed_errors_as_on_the_cpu(on_gpu, in_bounds, tiny_kv
     """Blobs forged with valid checksums (only the decoder can tell): the same verdict as the CPU decoder's, and the
     same KV when both accept."""
     cpu, gpu = KVCodec(ONE_TOKEN), KVCodec(ONE_TOKEN, device="cuda")
-    blob = cpu.encode(tiny_kv.slice(0, 12), 2)
+    blob = cpu.encode(tiny_kv.slice(0, 12), 2, start=0)
     rng = np.random.default_rng(3)
     forged = []
     for i in (0, 5):

@@ -8,6 +8,7 @@ from typing import Any
 
 from benchmarks.robustness.bench import CHUNK, Bench, Tally, counting_warnings, prompt
 from cachegen_core.engine import KVEngine
+from cachegen_core.codec.format import unpack
 from cachegen_core.keys.chunks import blob_key
 from cachegen_core.stores import MemoryStore
 from cachegen_core.testing.fuzz import repack_header
@@ -32,7 +33,7 @@ def scenario_foreign_blob(bench: Bench, n: int = 3) -> dict[str, Any]:
             eng.generate(text, max_new_tokens=1)  # stores our chunks
             foreign = other.engine(MemoryStore())
             kv = foreign.calculate_kv(text)
-            plant(eng, text, lambda j, _, f=foreign, kv=kv: f.codec.encode(kv.slice(j * CHUNK, (j + 1) * CHUNK), 0), range(3))
+            plant(eng, text, lambda j, _, f=foreign, kv=kv: f.codec.encode(kv.slice(j * CHUNK, (j + 1) * CHUNK), 0, start=j * CHUNK), range(3))
             tally.ask(bench, eng, text, bad_chunks=0)
     return tally.row(w)
 
@@ -53,7 +54,7 @@ def scenario_other_codec_blob(bench: Bench, n: int = 3) -> dict[str, Any]:
             cfg = CodecConfig(sink_tokens=4) if i % 2 == 0 else CodecConfig()
             prof = None if i % 2 == 0 else Profile.fit(cfg, [kv], chunk_tokens=CHUNK, model_fingerprint=eng.fingerprint)
             other = KVCodec(cfg, prof, fingerprint=eng.fingerprint)  # same model, other codec or profile
-            plant(eng, text, lambda j, _, o=other, kv=kv: o.encode(kv.slice(j * CHUNK, (j + 1) * CHUNK), 0), range(3))
+            plant(eng, text, lambda j, _, o=other, kv=kv: o.encode(kv.slice(j * CHUNK, (j + 1) * CHUNK), 0, start=j * CHUNK), range(3))
             tally.ask(bench, eng, text, bad_chunks=0)
     return tally.row(w)
 
@@ -69,7 +70,7 @@ def corruptions(engine: KVEngine, rng: random.Random) -> list[tuple[str, Callabl
     def forge(change: Callable[[Any], Any]) -> Callable[[int, bytes], bytes]:
         def make(_: int, b: bytes) -> bytes:
             kv = engine.codec.decode(b)
-            return engine.codec.encode(change(kv), engine.level)
+            return engine.codec.encode(change(kv), engine.level, start=unpack(b).header["start"])
 
         return make
 

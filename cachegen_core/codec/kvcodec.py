@@ -1,4 +1,4 @@
-"""KVCodec: ``encode(KVCache, level) -> bytes`` and ``decode(bytes) -> KVCache``.
+"""KVCodec: ``encode(KVCache, level, start=) -> bytes`` and ``decode(bytes) -> KVCache``.
 
 A blob holds one chunk of a context's KV at one level: exact sink tokens and quantised
 transform components (``pipeline.py``), range-coded in independent substreams
@@ -117,16 +117,18 @@ class KVCodec:
         return ChunkGeometry.of(layers, heads, dim, coded, self.config.tokens_per_stream(2 * layers * heads * dim))
 
     # ---------------------------------------------------------------- encoding
-    def encode(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> bytes:
+    def encode(self, kv: KVCache, level: int | None = None, *, start: int) -> bytes:
         """Compress ``kv`` (one chunk, any token count >= 1) at ``level`` into a blob.
 
         ``start``: context position of the chunk's first token (its keys were rotated for
-        positions ``start ..``); tokens below ``config.sink_tokens`` are kept exactly.
+        positions ``start ..``); tokens below ``config.sink_tokens`` are kept exactly. Required:
+        a later chunk coded as if at 0 keeps a rotation the profile's transform does not expect
+        and takes about half as many bytes again.
         """
         p = self.prepare(kv, level, start=start)
         return self._pack(p, self._coder().encode(p.symbols, p.layout, p.freqs))
 
-    def prepare(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> Prepared:
+    def prepare(self, kv: KVCache, level: int | None = None, *, start: int) -> Prepared:
         """Quantise ``kv`` and lay out its symbols for the coder (``encode`` but the coding; on the CPU, a GPU's KV copied)."""
         level = self.config.default_level if level is None else level
         kv = kv if kv.keys.device.type == "cpu" else KVCache(kv.keys.cpu(), kv.values.cpu())
@@ -154,7 +156,7 @@ class KVCodec:
         freqs = bank(self.config.table_classes)
         return Prepared(level, start, list(kv.shape), dtype_name(kv.dtype), geo, coded, symbols, layout, freqs, sections)
 
-    def encode_with_stats(self, kv: KVCache, level: int | None = None, *, start: int = 0) -> tuple[bytes, dict[str, Any]]:
+    def encode_with_stats(self, kv: KVCache, level: int | None = None, *, start: int) -> tuple[bytes, dict[str, Any]]:
         """``encode`` plus where the bits went: coded and ideal bits, by kind and layer third."""
         p = self.prepare(kv, level, start=start)
         blob = self._pack(p, payloads := self._coder().encode(p.symbols, p.layout, p.freqs))

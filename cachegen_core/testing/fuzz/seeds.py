@@ -104,6 +104,6 @@ def make_seeds(seed: int = 0, coders: Sequence[str] | None = None) -> list[Seed]
             enc = KVCodec(codec.config, codec.profile, coder=get_coder(coder_name), fingerprint=FINGERPRINT)
             for i, kv in enumerate(kvs):
                 for level in codec.levels:
-                    blob = enc.encode(kv, level)
+                    blob = enc.encode(kv, level, start=0)
                     seeds.append(Seed(f"{variant}/{coder_name}/kv{i}/L{level}", codec, blob, codec.decode(blob), coder_name))
     return seeds
