@@ -62,6 +62,7 @@ from cachegen_core.kv import KVCache, empty_tensor
 QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
 LINKS = {"redis@1gbps": 1.0, "redis@0.2gbps": 0.2, "redis@10gbps": 10.0}
 DEFAULT_STORES = ["memory", "disk", "redis", "redis@1gbps", "redis@0.2gbps"]
+POLICIES = ["text", "fp16", "uniform8", "cachegen-auto", *(f"cachegen-{lv}" for lv in range(5))]
 
 
 # ------------------------------------------------------------------ the naive formats
@@ -235,6 +236,8 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--miss-contexts", type=int, default=4, help="distinct contexts for the miss-path rows (0: none)")
+    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES,
+                    help="the policies timed (default: all; e.g. a longer A/B of a few, without text's long prefills)")
     return ap
 
 
@@ -278,7 +281,7 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
     with open_store(kind, url) as store:
         engines = {"cachegen-auto": settled(KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens))}
         codec = engines["cachegen-auto"].codec
-        for lv in codec.levels:
+        for lv in (lv for lv in codec.levels if f"cachegen-{lv}" in args.policies):
             engines[f"cachegen-{lv}"] = KVEngine(model, tok, codec, store, chunk_tokens=args.chunk_tokens, level=lv,
                                                  store_options=[lv], allow_text=False)  # fmt: skip
         rate = rans_rate(engines["cachegen-auto"], contexts[0].kv.slice(0, args.chunk_tokens))
@@ -295,6 +298,7 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
                 **{fmt: (lambda fmt=fmt, ctx=ctx, prefix=prefix: ctx.naive_ttft(store, fmt, prefix)) for fmt in NAIVE},
                 **{name: (lambda e=e, ctx=ctx: engine_ttft(e, ctx.ids)) for name, e in engines.items()},
             }
+            policies = {name: run for name, run in policies.items() if name in args.policies}
             for name, run in policies.items():
                 warm = 2 if name == "cachegen-auto" else 1  # the adaptive engine learns the link and its decode costs
                 for _ in range(warm):

@@ -42,3 +42,16 @@ def test_warm_path_rows_of_a_shaped_model_are_labelled_timing_only(tmp_path):
     assert all(r["random_init"] and r["model"] == SHAPE and r["dtype"] == "bfloat16" for r in policies.values())
     assert policies["fp16"]["bytes"] == 2 * 2 * 2 * 2 * 16 * 512  # layers x (K, V) x KV heads x 2 bytes x head_dim x tokens
     assert [r["summary"] for r in rows if "summary" in r] == ["auto_vs_fp16"]
+
+
+def test_warm_path_times_only_the_policies_asked(tmp_path):
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"prompt": words(200 + i, 700), "label": ["x"]}) + "\n" for i in range(14)))
+    out = tmp_path / "warm.jsonl"
+    warm_path.main(["--model", SHAPE, "--data", str(data), "--contexts", "512", "--chunk-tokens", "256", "--stores", "memory",
+                    "--transcripts", "1", "--reps", "1", "--miss-contexts", "0", "--policies", "fp16", "cachegen-auto", "cachegen-1",
+                    "--out", str(out)])  # fmt: skip
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["policy"] for r in rows if "policy" in r] == ["fp16", "cachegen-auto", "cachegen-1"]
+    assert [r["options"] for r in rows if r.get("policy") == "cachegen-1"] == [[[1, 1]]]  # pinned to its level
+    assert [r["summary"] for r in rows if "summary" in r] == ["auto_vs_fp16"]
