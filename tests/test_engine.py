@@ -299,10 +299,12 @@ def test_gqa_attention_gives_sdpas_results_without_copying_kv_heads(tiny_tokeniz
     assert not use_gqa_attention(mha)  # nothing to gain without grouped heads: left as it is
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
 @pytest.mark.parametrize("prefix", [20, 50, 90])
-def test_prefill_after_a_short_prefix_skips_the_masked_half(tiny_tokenizer, monkeypatch, prefix):
+def test_prefill_after_a_short_prefix_skips_the_masked_half(tiny_tokenizer, monkeypatch, prefix, mode):
     """Many tokens prefilled after a short reused prefix (at most half their number) take the causal kernel on
-    padded queries, with sdpa's logits; a longer prefix keeps the masked call."""
+    padded queries, with sdpa's logits; a longer prefix keeps the masked call. Under ``inference_mode`` too,
+    whose masks have no version counter (the model a user gets from ``from_pretrained`` is theirs to call)."""
     from cachegen_core.engine import attention, hf
 
     base, gqa = make_tiny_llama(seed=5), make_tiny_llama(seed=5)
@@ -313,7 +315,7 @@ def test_prefill_after_a_short_prefix_skips_the_masked_half(tiny_tokenizer, monk
     real = attention.offset_causal_attention
     monkeypatch.setattr(attention, "offset_causal_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
     ids = tiny_tokenizer(words(81, 200))["input_ids"][: prefix + 100]
-    with torch.no_grad():
+    with mode():
         past = hf.prefill(base, ids[:prefix])
         a = base(torch.tensor([ids[prefix:]]), **cache_arg(base, hf.model_cache(base, past))).logits
         b = gqa(torch.tensor([ids[prefix:]]), **cache_arg(gqa, hf.model_cache(gqa, past))).logits

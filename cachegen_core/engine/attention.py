@@ -27,7 +27,7 @@ NAME = "cachegen_sdpa"
 #: Queries from which a prefill after a prefix takes :func:`offset_causal_attention` (a question's few
 #: tokens keep the mask: one small SDPA call).
 MIN_OFFSET_QUERIES = 64
-_verified: tuple[Any, int] | None = None  # the last mask seen to be causal with an offset (weakly), its version
+_verified: tuple[Any, int | None] | None = None  # the last mask seen to be causal with an offset (weakly), its version
 
 
 def _is_offset_causal(mask: torch.Tensor, queries: int, keys: int) -> bool:
@@ -36,12 +36,14 @@ def _is_offset_causal(mask: torch.Tensor, queries: int, keys: int) -> bool:
     global _verified
     if mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape) != (1, 1, queries, keys):
         return False
-    if _verified is not None and _verified[0]() is mask and _verified[1] == mask._version:
+    # an inference-mode tensor has no version counter: the mask is the one transformers built for this forward
+    version = None if mask.is_inference() else mask._version
+    if _verified is not None and _verified[0]() is mask and _verified[1] == version:
         return True
     at = torch.arange(keys, device=mask.device)
     ok = torch.equal(mask[0, 0], at[None, :] <= at[keys - queries :, None])
     if ok:
-        _verified = (weakref.ref(mask), mask._version)
+        _verified = (weakref.ref(mask), version)
     return ok
 
 
