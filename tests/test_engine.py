@@ -322,3 +322,25 @@ def test_prefill_after_a_short_prefix_skips_the_masked_half(tiny_tokenizer, monk
     assert torch.allclose(a, b, atol=1e-5)
     layers = gqa.config.num_hidden_layers
     assert calls == ([100] * layers if prefix <= 50 else [])
+
+
+@pytest.mark.parametrize(("prefix", "new", "blocked"), [(600, 700, True), (1400, 700, True), (600, 300, False)])
+def test_prefill_after_a_longer_prefix_runs_its_queries_in_blocks(monkeypatch, prefix, new, blocked):
+    """Many tokens after a prefix longer than half their number: the queries in blocks, each over the keys it may
+    see, with sdpa's logits (fewer than two blocks' worth keep the one masked call)."""
+    from cachegen_core.engine import attention, hf
+
+    base, gqa = make_tiny_llama(seed=6), make_tiny_llama(seed=6)
+    base.set_attn_implementation("sdpa")
+    gqa.set_attn_implementation("sdpa")
+    assert attention.use_gqa_attention(gqa)
+    calls = []
+    real = attention.blocked_offset_attention
+    monkeypatch.setattr(attention, "blocked_offset_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    ids = torch.randint(3, 128, (prefix + new,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        past = hf.prefill(base, ids[:prefix])
+        a = base(torch.tensor([ids[prefix:]]), **cache_arg(base, hf.model_cache(base, past))).logits
+        b = gqa(torch.tensor([ids[prefix:]]), **cache_arg(gqa, hf.model_cache(gqa, past))).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    assert calls == ([new] * gqa.config.num_hidden_layers if blocked else [])

@@ -13,7 +13,9 @@ partial chunk, a chat turn, text between documents) is the other case transforme
 for: causal with an offset. SDPA then computes every query against every key, masked half
 included: 3,008 queries after a 64-token hit took 2x the attention time of the 3,072-token
 prefill with no hit at all. Where the prefix is at most half the new tokens,
-:func:`offset_causal_attention` does only the causal work instead.
+:func:`offset_causal_attention` does only the causal work instead; after a longer prefix,
+:func:`blocked_offset_attention` runs the queries in blocks, each over the keys it may see (half
+the 8,207 tokens after a 4,103-token prefix of the reference model: 22.1 s instead of 24.7 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ NAME = "cachegen_sdpa"
 #: Queries from which a prefill after a prefix takes :func:`offset_causal_attention` (a question's few
 #: tokens keep the mask: one small SDPA call).
 MIN_OFFSET_QUERIES = 64
+#: Blocks the queries of a prefill after a longer prefix run in (:func:`blocked_offset_attention`): each computes the
+#: masked half of its own square, q^2 / 16 scores in all with 8, against the masked call's q^2 / 2.
+OFFSET_BLOCKS = 8
+#: Fewest queries in a block (smaller ones would be calls too small to use the cores).
+MIN_BLOCK = 256
 _verified: tuple[Any, int | None] | None = None  # the last mask seen to be causal with an offset (weakly), its version
 
 
@@ -57,6 +64,22 @@ def offset_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return torch.nn.functional.scaled_dot_product_attention(padded, key, value, is_causal=True, scale=scaling, enable_gqa=True)[:, :, prefix:]
 
 
+def blocked_offset_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                             scaling: float | None, blocks: int | None = None) -> torch.Tensor:
+    """Causal attention of the last ``q`` positions over ``k`` keys, the queries in ``blocks`` blocks (at least
+    :data:`MIN_BLOCK` each), each block over the keys up to its last position with its slice of ``mask``: one
+    masked call computes all ``q x k`` scores, the blocks ``q (k - q) + q^2 / 2`` and half a block's square each."""
+    q, prefix = query.shape[2], key.shape[2] - query.shape[2]
+    step = max(MIN_BLOCK, -(-q // (blocks or OFFSET_BLOCKS)))
+    out = []
+    for i in range(0, q, step):
+        j = min(i + step, q)
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, i:j], key[:, :, : prefix + j], value[:, :, : prefix + j], attn_mask=mask[:, :, i:j, : prefix + j],
+            scale=scaling, enable_gqa=True))  # fmt: skip
+    return torch.cat(out, dim=2)
+
+
 def sdpa_gqa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -79,6 +102,9 @@ def sdpa_gqa_attention(
     if (attention_mask is not None and not dropout and q_length >= MIN_OFFSET_QUERIES and q_length < key.shape[2] <= 1.5 * q_length
             and _is_offset_causal(attention_mask, q_length, key.shape[2])):  # fmt: skip
         return offset_causal_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
+    if (attention_mask is not None and not dropout and q_length >= 2 * MIN_BLOCK and key.shape[2] > q_length
+            and _is_offset_causal(attention_mask, q_length, key.shape[2])):  # fmt: skip
+        return blocked_offset_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_length > 1 and attention_mask is None and causal)
     if causal and key.shape[2] > q_length:  # transformers' own quirk: an empty static cache's prefill
