@@ -230,7 +230,11 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.dtype 
     that shape with random weights (seed 0) and the reference model's tokenizer, built on ``device`` in ``dtype``
     (default bfloat16): for timing only, its outputs mean nothing. ``$CACHEGEN_TOKENIZER_DIR``, when set, is the
     tokenizer's directory instead (a machine without the reference model, e.g. a GPU box).
+
+    Its attention is the one ``KVEngine.from_pretrained`` gives the models it loads (``engine/attention.py``): every
+    benchmark, baselines included, times what a user of ``from_pretrained`` or ``CacheGenLLM.from_model_id`` gets.
     """
+    from cachegen_core.engine.attention import use_gqa_attention
     from cachegen_core.models import load_model
 
     t = time.perf_counter()
@@ -238,6 +242,7 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.dtype 
         m, tok = shaped_model(model, device, dtype or torch.bfloat16)
     else:
         m, tok = load_model(model, device=device, dtype=dtype)
+    use_gqa_attention(m)
     print(f"# loaded {model} in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     return m, tok
 

@@ -26,7 +26,8 @@ records them in warm requests of engines that store only that form: the median o
 warm-up request); each form's blob bytes; a disk store's read of an absent key (the cost of a lost form); a
 RAG prompt's TTFT with every document cached (blend) and with none. These are fitted:
 prefill T(a, n) = g + alpha (n - a) + beta (n^2 - a^2) / 2 seconds (a tokens reused of n), stream seconds
-proportional to tokens, bytes linear in them (the ``costs`` row gives every point and the fits' errors).
+proportional to tokens, bytes linear in them, every fit non-negative and in relative errors (the ``costs`` row gives
+every point and the fits' errors). The model's attention is the engine's (``benchmarks.common.load``).
 
 What is replayed (``budget_traces``): each trace's requests on a fresh store per policy and budget,
 doing on it what the engine does (look up, stream the fastest stored form, store what was computed);
@@ -72,10 +73,24 @@ POLICIES: dict[str, dict[str, Any]] = {
 
 # ---------------------------------------------------------------------------- measuring
 def _fit(xs: list[list[float]], ys: list[float]) -> tuple[list[float], float]:
-    """Least squares of ``ys`` on the columns ``xs``; the coefficients and the mean relative error."""
+    """Non-negative least squares of ``ys`` on the columns ``xs`` in relative terms (each point weighted by 1 / y: a
+    0.2 s prefill counts as much as a 20 s one); the coefficients and the mean relative error. Costs cannot be
+    negative: a plain fit of noisy points gave the prefill a negative per-token term, which no request pays."""
     a, y = np.array(xs, dtype=float), np.array(ys, dtype=float)
-    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    err = float(np.mean(np.abs(a @ coef - y) / np.maximum(np.abs(y), 1e-9)))
+    w = 1 / np.maximum(np.abs(y), 1e-9)
+    best: tuple[float, np.ndarray] | None = None
+    for mask in range(1, 1 << a.shape[1]):  # every subset of the columns: the best non-negative fit is one's
+        cols = [c for c in range(a.shape[1]) if mask >> c & 1]
+        sub, *_ = np.linalg.lstsq(a[:, cols] * w[:, None], y * w, rcond=None)
+        if (sub < 0).any():
+            continue
+        coef = np.zeros(a.shape[1])
+        coef[cols] = sub
+        res = float(np.sum(((a @ coef - y) * w) ** 2))
+        if best is None or res < best[0]:
+            best = (res, coef)
+    coef = best[1] if best is not None else np.zeros(a.shape[1])
+    err = float(np.mean(np.abs(a @ coef - y) * w))
     return [float(c) for c in coef], err
 
 

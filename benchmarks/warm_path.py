@@ -56,7 +56,6 @@ import torch
 from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, parser, setup_threads, transcripts
 from cachegen_core.keys.chunks import chunk_keys
 from cachegen_core.engine import KVEngine, hf
-from cachegen_core.engine.attention import use_gqa_attention
 from cachegen_core.kv import KVCache, empty_tensor
 
 QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
@@ -252,7 +251,6 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
         args.contexts, args.transcripts, args.reps, args.miss_contexts = [3072], 1, 1, 2
     setup_threads()
     model, tok = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    use_gqa_attention(model)  # as KVEngine.from_pretrained does; every policy, baselines included, runs on it
     texts = transcripts(args.data, HELD_OUT, args.transcripts)
     t_start = time.perf_counter()
     with redis_links(args.stores) as urls:
