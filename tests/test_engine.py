@@ -277,23 +277,44 @@ def test_finish_reason_says_why_generation_ended(engine):
     assert info.finish_reason == "stop" and info.stop_sequence == stop and info.new_tokens < 6
 
 
-def test_gqa_attention_gives_sdpas_results_without_copying_kv_heads(tiny_tokenizer):
-    """The attention the engine gives models it loads: the same logits as transformers' sdpa, on a prompt and
-    on a question after a reused cache (where sdpa copies the KV heads)."""
-    from cachegen_core.engine import hf
+def _sdpa_and_ours(seed: int) -> tuple:
+    """Two tiny Llamas with the same weights: one on transformers' sdpa, one on the engine's attention."""
     from cachegen_core.engine.attention import NAME, use_gqa_attention
 
-    base, gqa = make_tiny_llama(seed=4), make_tiny_llama(seed=4)
+    base, gqa = make_tiny_llama(seed=seed), make_tiny_llama(seed=seed)
     base.set_attn_implementation("sdpa")
     gqa.set_attn_implementation("sdpa")
     assert use_gqa_attention(gqa) and gqa.config._attn_implementation == NAME
+    return base, gqa
+
+
+def _prefill_after_prefix(monkeypatch, seed: int, ids: list[int], prefix: int, spied: str, mode=torch.no_grad) -> tuple[list[int], int]:
+    """``ids[prefix:]`` prefilled after a reused ``ids[:prefix]``: the engine's attention's logits asserted to be
+    sdpa's; the query counts ``engine.attention.<spied>`` was called with, and the model's layers."""
+    from cachegen_core.engine import attention, hf
+
+    base, gqa = _sdpa_and_ours(seed)
+    calls = []
+    real = getattr(attention, spied)
+    monkeypatch.setattr(attention, spied, lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    with mode():
+        past = hf.prefill(base, ids[:prefix])
+        a = base(torch.tensor([ids[prefix:]]), **cache_arg(base, hf.model_cache(base, past))).logits
+        b = gqa(torch.tensor([ids[prefix:]]), **cache_arg(gqa, hf.model_cache(gqa, past))).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    return calls, gqa.config.num_hidden_layers
+
+
+def test_gqa_attention_gives_sdpas_results_without_copying_kv_heads(tiny_tokenizer, monkeypatch):
+    """The attention the engine gives models it loads: the same logits as transformers' sdpa, on a prompt and
+    on a question after a reused cache (where sdpa copies the KV heads)."""
+    from cachegen_core.engine.attention import use_gqa_attention
+
+    base, gqa = _sdpa_and_ours(4)
     ids = tiny_tokenizer(words(80, 150))["input_ids"]
     with torch.no_grad():
         assert torch.allclose(base(torch.tensor([ids])).logits, gqa(torch.tensor([ids])).logits, atol=1e-5)
-        past = hf.prefill(base, ids[:140])
-        a = base(torch.tensor([ids[140:]]), **cache_arg(base, hf.model_cache(base, past))).logits
-        b = gqa(torch.tensor([ids[140:]]), **cache_arg(gqa, hf.model_cache(gqa, past))).logits
-    assert torch.allclose(a, b, atol=1e-5)
+    assert _prefill_after_prefix(monkeypatch, 4, ids, 140, "blocked_offset_attention")[0] == []
     mha = make_tiny_llama(seed=4, kv_heads=4)
     mha.set_attn_implementation("sdpa")
     assert not use_gqa_attention(mha)  # nothing to gain without grouped heads: left as it is
@@ -305,22 +326,8 @@ def test_prefill_after_a_short_prefix_skips_the_masked_half(tiny_tokenizer, monk
     """Many tokens prefilled after a short reused prefix (at most half their number) take the causal kernel on
     padded queries, with sdpa's logits; a longer prefix keeps the masked call. Under ``inference_mode`` too,
     whose masks have no version counter (the model a user gets from ``from_pretrained`` is theirs to call)."""
-    from cachegen_core.engine import attention, hf
-
-    base, gqa = make_tiny_llama(seed=5), make_tiny_llama(seed=5)
-    base.set_attn_implementation("sdpa")
-    gqa.set_attn_implementation("sdpa")
-    assert attention.use_gqa_attention(gqa)
-    calls = []
-    real = attention.offset_causal_attention
-    monkeypatch.setattr(attention, "offset_causal_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
     ids = tiny_tokenizer(words(81, 200))["input_ids"][: prefix + 100]
-    with mode():
-        past = hf.prefill(base, ids[:prefix])
-        a = base(torch.tensor([ids[prefix:]]), **cache_arg(base, hf.model_cache(base, past))).logits
-        b = gqa(torch.tensor([ids[prefix:]]), **cache_arg(gqa, hf.model_cache(gqa, past))).logits
-    assert torch.allclose(a, b, atol=1e-5)
-    layers = gqa.config.num_hidden_layers
+    calls, layers = _prefill_after_prefix(monkeypatch, 5, ids, prefix, "offset_causal_attention", mode)
     assert calls == ([100] * layers if prefix <= 50 else [])
 
 
@@ -328,19 +335,6 @@ def test_prefill_after_a_short_prefix_skips_the_masked_half(tiny_tokenizer, monk
 def test_prefill_after_a_longer_prefix_runs_its_queries_in_blocks(monkeypatch, prefix, new, blocked):
     """Many tokens after a prefix longer than half their number: the queries in blocks, each over the keys it may
     see, with sdpa's logits (fewer than two blocks' worth keep the one masked call)."""
-    from cachegen_core.engine import attention, hf
-
-    base, gqa = make_tiny_llama(seed=6), make_tiny_llama(seed=6)
-    base.set_attn_implementation("sdpa")
-    gqa.set_attn_implementation("sdpa")
-    assert attention.use_gqa_attention(gqa)
-    calls = []
-    real = attention.blocked_offset_attention
-    monkeypatch.setattr(attention, "blocked_offset_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
     ids = torch.randint(3, 128, (prefix + new,), generator=torch.Generator().manual_seed(6)).tolist()
-    with torch.no_grad():
-        past = hf.prefill(base, ids[:prefix])
-        a = base(torch.tensor([ids[prefix:]]), **cache_arg(base, hf.model_cache(base, past))).logits
-        b = gqa(torch.tensor([ids[prefix:]]), **cache_arg(gqa, hf.model_cache(gqa, past))).logits
-    assert torch.allclose(a, b, atol=1e-5)
-    assert calls == ([new] * gqa.config.num_hidden_layers if blocked else [])
+    calls, layers = _prefill_after_prefix(monkeypatch, 6, ids, prefix, "blocked_offset_attention")
+    assert calls == ([new] * layers if blocked else [])
