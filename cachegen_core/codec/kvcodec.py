@@ -3,9 +3,8 @@
 A blob holds one chunk of a context's KV at one level: exact sink tokens and quantised
 transform components (``pipeline.py``), range-coded in independent substreams
 (``coders/``) with the codec's fixed tables (``classes.py``), each component's class taken
-from a ``Profile`` (or, without one, picked on the chunk and stored in the blob), inside the
-checksummed container of ``format.py``. How
-symbols are cut into substreams and which table codes each: ``substreams.py``.
+from a ``Profile`` (or, without one, picked on the chunk and stored in the blob), inside the checksummed
+container of ``format.py``. How symbols are cut into substreams and which table codes each: ``substreams.py``.
 Keys are coded before the rotary embedding when the codec knows it (``rotary.py``), so a
 blob decodes at its own positions or, on request, at any others.
 """
@@ -120,10 +119,9 @@ class KVCodec:
     def encode(self, kv: KVCache, level: int | None = None, *, start: int) -> bytes:
         """Compress ``kv`` (one chunk, any token count >= 1) at ``level`` into a blob.
 
-        ``start``: context position of the chunk's first token (its keys were rotated for
-        positions ``start ..``); tokens below ``config.sink_tokens`` are kept exactly. Required:
-        a later chunk coded as if at 0 keeps a rotation the profile's transform does not expect
-        and takes about half as many bytes again.
+        ``start`` (required): context position of the chunk's first token (its keys were rotated for positions
+        ``start ..``; coded as if at 0, a later chunk takes about half as many bytes again); tokens below
+        ``config.sink_tokens`` are kept exactly.
         """
         p = self.prepare(kv, level, start=start)
         return self._pack(p, self._coder().encode(p.symbols, p.layout, p.freqs))
