@@ -65,12 +65,12 @@ def offset_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 def blocked_offset_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                             scaling: float | None, blocks: int | None = None) -> torch.Tensor:
-    """Causal attention of the last ``q`` positions over ``k`` keys, the queries in ``blocks`` blocks (at least
+                             scaling: float | None) -> torch.Tensor:
+    """Causal attention of the last ``q`` positions over ``k`` keys, the queries in :data:`OFFSET_BLOCKS` blocks (at least
     :data:`MIN_BLOCK` each), each block over the keys up to its last position with its slice of ``mask``: one
     masked call computes all ``q x k`` scores, the blocks ``q (k - q) + q^2 / 2`` and half a block's square each."""
     q, prefix = query.shape[2], key.shape[2] - query.shape[2]
-    step = max(MIN_BLOCK, -(-q // (blocks or OFFSET_BLOCKS)))
+    step = max(MIN_BLOCK, -(-q // OFFSET_BLOCKS))
     out = []
     for i in range(0, q, step):
         j = min(i + step, q)
@@ -99,12 +99,12 @@ def sdpa_gqa_attention(
     if groups <= 1 or special:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     q_length = query.shape[2]
-    if (attention_mask is not None and not dropout and q_length >= MIN_OFFSET_QUERIES and q_length < key.shape[2] <= 1.5 * q_length
+    short = key.shape[2] <= 1.5 * q_length  # the prefix at most half the new tokens
+    if (attention_mask is not None and not dropout and q_length < key.shape[2]
+            and q_length >= (MIN_OFFSET_QUERIES if short else 2 * MIN_BLOCK)
             and _is_offset_causal(attention_mask, q_length, key.shape[2])):  # fmt: skip
-        return offset_causal_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
-    if (attention_mask is not None and not dropout and q_length >= 2 * MIN_BLOCK and key.shape[2] > q_length
-            and _is_offset_causal(attention_mask, q_length, key.shape[2])):  # fmt: skip
-        return blocked_offset_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+        out = offset_causal_attention(query, key, value, scaling) if short else blocked_offset_attention(query, key, value, attention_mask, scaling)
+        return out.transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_length > 1 and attention_mask is None and causal)
     if causal and key.shape[2] > q_length:  # transformers' own quirk: an empty static cache's prefill
