@@ -35,8 +35,8 @@ class CodecConfig:
     ``group_channels``: one transform matrix spans as many of a layer's KV heads as fit in this
     many channels (``head_group``): heads of a layer are projections of the same hidden state, so
     a transform across them codes the reference model's KV in 7 % fewer bits than one per head at
-    the same quality (``docs/results.md``); an element costs up to ``group_channels`` multiply-adds to
-    decode (64 per head), and the profile holds the larger matrices (1.8 MB instead of 0.6 MB, stored in
+    the same quality (``docs/history/2026-11-28-transform-across-heads.md``); an element costs up to
+    ``group_channels`` multiply-adds to decode (64 per head), and the profile holds the larger matrices (1.8 MB instead of 0.6 MB, stored in
     about 6 bits an entry).
     ``table_classes``: how many frequency tables code every component (``classes.py``: discrete
     Gaussian laws at log-spaced scales; a profile or the blob names each component's).
