@@ -13,7 +13,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # pip keeps no copy of the wheels it installs: a fresh machine's disk holds the venv only (2.6 GB with every extra)
 export PIP_NO_CACHE_DIR ?= 1
 
-.PHONY: install test demo redis-server fuzz-tools wheel clean
+.PHONY: install test demo plots redis-server fuzz-tools wheel clean
 
 # What the demo and the examples need: torch pinned first (its CPU wheel; the package's looser
 # requirement would pull multi-GB CUDA builds), the package with the gguf extra (to convert the
@@ -70,6 +70,10 @@ wheel:
 demo: $(DEMO_STAMP)
 	$(PY) -m cachegen_core.cli model prepare
 	$(PY) -m examples.rag_chain
+
+# The pictures of docs/results.md (docs/img/*.png), redrawn from the rows in docs/data/ (matplotlib: the dev extra).
+plots: $(DEV_STAMP)
+	$(PY) -m benchmarks.plots
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -114,6 +114,7 @@ class Rows:
 
     def __init__(self, benchmark: str, out: str | Path | None = None, argv: Sequence[str] | None = None) -> None:
         self.file: TextIO | None = None
+        self.rows: list[dict[str, Any]] = []  # every row emitted, for a plot at the end
         if out is not None:
             self.file = open(out, "a")  # noqa: SIM115  # closed by __exit__
             self.file.write(json.dumps(meta(benchmark, argv)) + "\n")
@@ -121,6 +122,7 @@ class Rows:
 
     def emit(self, record: dict[str, Any]) -> None:
         """One row: a JSON line on stdout and in the file."""
+        self.rows.append(record)
         emit(record, self.file)
 
     def close(self) -> None:

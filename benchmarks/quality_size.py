@@ -32,6 +32,7 @@ import torch
 
 from benchmarks import baselines
 from benchmarks.common import HELD_OUT, Rows, context_kv, load, parser, read_jsonl, setup_threads
+from benchmarks.plotting import Panels, line_panels
 from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache
 
@@ -225,31 +226,17 @@ def summarise(tallies: dict[tuple[str, int | None], Tally], context_tokens: int)
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Rate-distortion picture: bits per element vs perplexity increase, one curve per method."""
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    lengths = sorted({r["context_tokens"] for r in rows})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
-    for ax, c in zip(axes[0], lengths):
-        by: dict[str, list[dict[str, Any]]] = {}
-        for r in rows:
-            if r["context_tokens"] == c:
-                by.setdefault(r["method"], []).append(r)
-        for name, rs in by.items():
-            rs.sort(key=lambda r: r["bits_per_element"])
-            ax.plot([r["bits_per_element"] for r in rs], [100 * r["ppl_rel_delta"] for r in rs], "o-", label=name)
-        ax.set_xscale("log")
-        ax.set_xlabel("bits per element (log)")
-        ax.set_ylabel("perplexity increase vs fp16 (%)")
-        ax.set_title(f"context {c} tokens")
-        ax.axhline(1.0, color="grey", lw=0.5, ls="--")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    """Bits per element against top-1 disagreement with fp16 (the share of next tokens unlike fp16's; log-log), a panel
+    per context length, a curve per method (a row's ``label`` names it where set), cachegen's points marked with their
+    level. Lossless rows (no disagreement) have no place on a log axis: left out."""
+    panels: Panels = {}
+    for r in sorted(rows, key=lambda r: r["context_tokens"]):
+        if r["top1_agreement"] < 1:
+            note = () if r.get("level") is None else (f"L{r['level']}",)
+            series = panels.setdefault(f"context {r['context_tokens']} tokens", {})
+            series.setdefault(r.get("label") or r["method"], []).append((r["bits_per_element"], 100 * (1 - r["top1_agreement"]), *note))
+    line_panels(panels, path, xlabel="bits per element (log)", ylabel="top-1 disagreement vs fp16 (%)", xlog=True,
+                bold="cachegen", hline=(1.0, "1 % (target: >= 99 % top-1)"))  # fmt: skip
 
 
 def arguments() -> argparse.ArgumentParser:

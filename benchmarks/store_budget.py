@@ -57,6 +57,7 @@ import numpy as np
 
 from benchmarks.budget_traces import CHUNK, LEVEL, RAW, Costs, Replay, chat_trace, rag_trace, summarise, zipf_trace
 from benchmarks.common import Rows, parser, read_jsonl, setup_threads
+from benchmarks.plotting import Panels, line_panels
 
 QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
 BUDGETS = [0.05, 0.1, 0.25, 0.5, 0.75, 1.0]
@@ -236,24 +237,19 @@ def targets(rows: list[dict[str, Any]], trace: str) -> dict[str, Any]:
     return out
 
 
+#: The policies in a plot's legend.
+LABELS = {"fp16-only": "fp16 only", "today": "raw + level 1, oldest out", "today-lru": "raw + level 1, LRU",
+          "tiered": "tiered (default)", "tiered-reserve": "tiered, 20 % for raw", "levels-only": "level 1 only"}  # fmt: skip
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    traces = list(dict.fromkeys(r["trace"] for r in rows))
-    fig, axes = plt.subplots(1, len(traces), figsize=(5 * len(traces), 4), squeeze=False)
-    for ax, trace in zip(axes[0], traces):
-        for policy in POLICIES:
-            pts = sorted((r["budget_fraction"], r["mean_ttft_s"]) for r in rows if r["trace"] == trace and r["policy"] == policy)
-            if pts:
-                ax.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="o", label=policy)
-        ax.set(title=f"{trace}", xlabel="budget, % of the working set's fp16 bytes", ylabel="mean TTFT (s)")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    """Mean TTFT against the budget (log TTFT), a panel per trace, a curve per policy, the default (tiered) bold."""
+    panels: Panels = {}
+    for r in rows:
+        if r.get("policy") in POLICIES and "trace" in r:
+            series = panels.setdefault(f"{r['trace']} trace", {label: [] for label in LABELS.values()})
+            series[LABELS[r["policy"]]].append((100 * r["budget_fraction"], r["mean_ttft_s"]))
+    line_panels(panels, path, xlabel="budget (% of the fp16 bytes)", ylabel="mean TTFT (s, log)", bold=LABELS["tiered"])
 
 
 # ---------------------------------------------------------------------------- main

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import HELD_OUT, LONGCHAT, TRACES, Rows, best_time, load, parser, read_jsonl, results, setup_threads, transcripts
+from benchmarks.plotting import pyplot, save_figure
 from cachegen_core.streaming import TEXT, ChunkCost, choose, make_estimator
 
 
@@ -259,11 +260,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
+    plt = pyplot()
     rows = [r for r in rows if r["slo_factor"] == 1.0]
     traces = sorted({r["trace"] for r in rows})
     policies = list(dict.fromkeys(r["policy"] for r in rows))
@@ -278,8 +275,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_ylabel("time to first token (s)")
     ax.set_yscale("log")
     ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -296,7 +292,7 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--decode-s-per-chunk", type=float, default=None,
                     help="seconds of the whole decode path of one chunk, measured elsewhere (e.g. benchmarks.warm_path on a GPU), "
                          "instead of measuring it on this machine")  # fmt: skip
-    ap.add_argument("--quality", default="docs/data/quality_size.jsonl")
+    ap.add_argument("--quality", default="docs/data/quality_size_v3_held_out_profile_v5.jsonl")
     ap.add_argument("--plot", default=None)
     return ap
 

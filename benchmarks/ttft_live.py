@@ -121,7 +121,7 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--slice-s", type=float, default=0.5, help="seconds per bandwidth sample")
     ap.add_argument("--bandwidth-scale", type=float, default=0.02, help="multiply every trace sample")
-    ap.add_argument("--quality", default="docs/data/quality_size.jsonl", help="ppl_rel_delta per level, for quality_proxy")
+    ap.add_argument("--quality", default="docs/data/quality_size_v3_held_out_profile_v5.jsonl", help="ppl_rel_delta per level, for quality_proxy")
     return ap
 
 

@@ -1,6 +1,6 @@
 """Warm time to first token of every way to reuse a stored context, on every store and link (issue 15).
 
-    python -m benchmarks.warm_path [--quick] [--data F] [--device cpu|cuda] [--out F]
+    python -m benchmarks.warm_path [--quick] [--data F] [--device cpu|cuda] [--out F] [--plot F.png]
     python -m benchmarks.warm_path --device cuda --model llama-7b-shaped --contexts 7680 \
         --stores memory redis redis@10gbps        # the GPU target: a 7B-shaped model, timing only
 
@@ -24,18 +24,18 @@ nothing written), alternating per context; ``overhead`` is the ratio of their to
 minus one. The contexts share their first tokens (the transcripts' common header), so after the
 first one a storing engine reuses a 64-token partial chunk and prefills the rest after it.
 
-Stores: ``memory``, ``disk`` (diskcache in a temp dir), ``redis`` (a real redis-server on
-loopback), and the same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s (and to 10 Gbit/s,
-``redis@10gbps``, when asked: the proxy forwards about 8.4 Gbit/s at most on a 2-core box,
-``docs/results.md``, "What the shaped links deliver", so that link is for bigger hosts). ``--model llama-7b-shaped`` (``benchmarks.common.load``): a Llama of 7B shape
-with random weights and the reference tokenizer, in ``--dtype`` (bfloat16 by default), for timing
-only: its rows say ``"random_init": true``; its answers and any quality mean nothing. Every policy
-is warmed up (the engine learns its costs and the link) before it is timed; a row is the
-median of ``--reps`` runs, the policies taking turns run by run (a drift of a shared box reaches them alike). ``bound_s`` = bytes / link bandwidth (none for local stores) +
-decoding the levels' symbols at the native coder's rANS rate measured here + the question's
-prefill on the reused KV (measured here): what no implementation of that policy could beat.
-JSON lines: ``{"store", "link_gbps", "context_tokens", "policy", "ttft_s", "bytes", "decode_s",
-"bound_s", ...}``; a summary line per (store, context) gives ``cachegen-auto``'s ratio to ``fp16``.
+Stores: ``memory``, ``disk`` (diskcache in a temp dir), ``redis`` (a real redis-server on loopback), and the
+same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s (and to 10 Gbit/s, ``redis@10gbps``, when asked: the
+proxy forwards about 8.4 Gbit/s at most on a 2-core box, ``docs/results.md``, so that link is for bigger hosts).
+``--model llama-7b-shaped`` (``benchmarks.common.load``): a Llama of 7B shape with random weights and the reference
+tokenizer, in ``--dtype`` (bfloat16 by default), for timing only: its rows say ``"random_init": true``; its answers
+and any quality mean nothing. Every policy is warmed up (the engine learns its costs and the link) before it is
+timed; a row is the median of ``--reps`` runs, the policies taking turns run by run (a drift of a shared box reaches
+them alike). ``bound_s`` = bytes / link bandwidth (none for local stores) + decoding the levels' symbols at the
+native coder's rANS rate measured here + the question's prefill on the reused KV (measured here): what no
+implementation of that policy could beat. JSON lines: ``{"store", "link_gbps", "context_tokens", "policy",
+"ttft_s", "bytes", "decode_s", "bound_s", ...}``; a summary line per (store, context) gives ``cachegen-auto``'s
+ratio to ``fp16``. ``--plot F.png``: TTFT against context length, a panel per store.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, parser, setup_threads, transcripts
-from cachegen_core.keys.chunks import chunk_keys
+from benchmarks.plotting import Panels, line_panels
 from cachegen_core.engine import KVEngine, hf
 from cachegen_core.kv import KVCache, empty_tensor
 
@@ -62,6 +62,8 @@ QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
 LINKS = {"redis@1gbps": 1.0, "redis@0.2gbps": 0.2, "redis@10gbps": 10.0}
 DEFAULT_STORES = ["memory", "disk", "redis", "redis@1gbps", "redis@0.2gbps"]
 POLICIES = ["text", "fp16", "uniform8", "cachegen-auto", *(f"cachegen-{lv}" for lv in range(5))]
+PLOTTED = {"text": "recompute", "fp16": "fp16", "uniform8": "uniform8", "cachegen-1": "level 1", "cachegen-4": "level 4",
+           "cachegen-auto": "cachegen-auto"}  # what a plot draws, and its legend
 
 
 # ------------------------------------------------------------------ the naive formats
@@ -237,6 +239,7 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--miss-contexts", type=int, default=4, help="distinct contexts for the miss-path rows (0: none)")
     ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES,
                     help="the policies timed (default: all; e.g. a longer A/B of a few, without text's long prefills)")
+    ap.add_argument("--plot", default=None, metavar="F.png", help="TTFT against context length, a panel per store (PNG)")
     return ap
 
 
@@ -269,6 +272,8 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
                 # cache evicted): they are closed now, and anything else left in a cycle is collected here
                 gc.collect()
             print(f"# {tokens} tokens done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+    if args.plot:
+        plot(out.rows, args.plot)
 
 
 def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kind: str, url: str | None, link: float | None) -> list[dict[str, Any]]:
@@ -368,6 +373,16 @@ def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, token
     return {"store": kind, "link_gbps": LINKS.get(kind), "context_tokens": tokens, "policy": "miss-path", "contexts": len(prompts),
             "storing_s": round(cold, 3), "plain_s": round(base, 3), "overhead": round(cold / base - 1, 4),
             "per_request_storing_s": [round(t, 3) for t in times["storing"]], "per_request_plain_s": [round(t, 3) for t in times["plain"]]}  # fmt: skip
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Warm TTFT against context tokens, a panel per store and device (titled by a row's ``panel`` where set)."""
+    panels: Panels = {}
+    for r in rows:
+        if r.get("policy") in PLOTTED:
+            title = r.get("panel") or f"{r['store']}, {r['model']} on {r['device']}"
+            panels.setdefault(title, {label: [] for label in PLOTTED.values()})[PLOTTED[r["policy"]]].append((r["context_tokens"], r["ttft_s"]))
+    line_panels(panels, path, xlabel="context (tokens)", ylabel="warm TTFT (s, log scale)", bold=PLOTTED["cachegen-auto"])
 
 
 def _summary(rows: list[dict[str, Any]], store: str, tokens: int, out: Rows) -> None:

@@ -51,12 +51,19 @@ def test_without_out_rows_are_only_printed(tmp_path, capsys):
     with common.Rows("reuse") as rows:
         rows.emit({"a": 1})
     assert capsys.readouterr().out == '{"a": 1}\n' and list(tmp_path.iterdir()) == []
+    assert rows.rows == [{"a": 1}]  # kept for a plot at the end
+
+
+#: Modules of ``benchmarks/`` with a ``main`` that measure nothing: ``plots`` redraws the results page's pictures.
+NOT_BENCHMARKS = {"benchmarks.plots"}
 
 
 def benchmark_modules() -> dict[str, object]:
     """Every module of ``benchmarks/`` with a ``main``: the runnable benchmarks."""
     mods = {}
     for info in pkgutil.walk_packages(benchmarks.__path__, "benchmarks."):
+        if info.name in NOT_BENCHMARKS:
+            continue
         mod = importlib.import_module(info.name)
         if callable(getattr(mod, "main", None)) and mod.main.__module__ == info.name:
             mods[info.name] = mod

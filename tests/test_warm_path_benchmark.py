@@ -50,8 +50,9 @@ def test_warm_path_times_only_the_policies_asked(tmp_path):
     out = tmp_path / "warm.jsonl"
     warm_path.main(["--model", SHAPE, "--data", str(data), "--contexts", "512", "--chunk-tokens", "256", "--stores", "memory",
                     "--transcripts", "1", "--reps", "1", "--miss-contexts", "0", "--policies", "fp16", "cachegen-auto", "cachegen-1",
-                    "--out", str(out)])  # fmt: skip
+                    "--out", str(out), "--plot", str(tmp_path / "warm.png")])  # fmt: skip
     rows = [json.loads(line) for line in open(out)]
     assert [r["policy"] for r in rows if "policy" in r] == ["fp16", "cachegen-auto", "cachegen-1"]
+    assert (tmp_path / "warm.png").read_bytes().startswith(b"\x89PNG")  # the rows it timed, drawn
     assert [r["options"] for r in rows if r.get("policy") == "cachegen-1"] == [[[1, 1]]]  # pinned to its level
     assert [r["summary"] for r in rows if "summary" in r] == ["auto_vs_fp16"]

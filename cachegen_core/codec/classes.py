@@ -2,7 +2,8 @@
 
 A component's symbols ``x = s - 128 = round(c / step)`` follow a zero-mean law close to a
 discrete Gaussian whose scale is the component's spread in steps (measured on the reference
-model's KV: within 0.5-0.8 % of per-component tables fitted on the same model, ``docs/results.md``).
+model's KV: within 0.5-0.8 % of per-component tables fitted on the same model,
+``docs/history/2026-11-27-codec-v3-tuning.md``).
 So the codec has one bank of ``n_classes`` discrete Gaussian laws at log-spaced scales
 (``scales``) and codes each component with one of them, its *class*: with a profile the class
 of every (level, kind, layer, component) is fitted once and stored in the profile

@@ -12,7 +12,7 @@ from .classes import DEFAULT_CLASSES, digest
 #: Step of each level, from near-lossless (0) to the coarsest. With a profile the step is in
 #: units of the RMS of the Fisher-weighted components (``transform.py``), the same for every
 #: component of every layer; without one, in units of the RMS of each layer's channels.
-#: Chosen on SmolLM2-135M (``docs/results.md``, "Codec v2"; level 1 moved from 0.075 to 0.085 with
+#: Chosen on SmolLM2-135M (``docs/history/2026-11-24-results-journal.md``, "Codec v2"; level 1 moved from 0.075 to 0.085 with
 #: codec v3's fixed tables; level 2 added with the transform across heads, 2026-11-28: on the tuning
 #: transcripts 10-11 at C = 4096 level 1 codes 3.21 bits at 99.2 % top-1, a step of 0.1 3.00 bits).
 DEFAULT_LEVELS: tuple[float, ...] = (0.03, 0.085, 0.104, 0.16, 0.34)
@@ -35,8 +35,8 @@ class CodecConfig:
     ``group_channels``: one transform matrix spans as many of a layer's KV heads as fit in this
     many channels (``head_group``): heads of a layer are projections of the same hidden state, so
     a transform across them codes the reference model's KV in 7 % fewer bits than one per head at
-    the same quality (``docs/results.md``); an element costs up to ``group_channels`` multiply-adds to
-    decode (64 per head), and the profile holds the larger matrices (1.8 MB instead of 0.6 MB, stored in
+    the same quality (``docs/history/2026-11-28-transform-across-heads.md``); an element costs up to
+    ``group_channels`` multiply-adds to decode (64 per head), and the profile holds the larger matrices (1.8 MB instead of 0.6 MB, stored in
     about 6 bits an entry).
     ``table_classes``: how many frequency tables code every component (``classes.py``: discrete
     Gaussian laws at log-spaced scales; a profile or the blob names each component's).

@@ -201,7 +201,7 @@ def to_stored(t: Transform) -> dict[str, np.ndarray]:
     integers of ``widths[j]`` bits (``column_widths``) times ``column_scale[j]`` (its largest magnitude),
     packed end to end (``bitpack``) into ``synthesis`` uint8; ``spread`` float16 ``(2, layers, heads, dim)``.
     About 6 bits an entry: the reference model's matrices take 1.7 MB instead of 4.4 MB in float16, for
-    0.1 % more bits per element (``docs/results.md``)."""
+    0.1 % more bits per element (``docs/history/2026-11-28-profile-v5.md``)."""
     spread = t.spread.to(torch.float16).numpy()
     b = t.synthesis.double().numpy()
     kinds, layers, groups, n, _ = b.shape

@@ -70,7 +70,7 @@ class BlendConfig:
     -0.02 % and 96.9 %; 6 prompts: +1.7 % and 94.3 %): what the answer reads is where the context each
     cached document lacked matters.
     Top-1 agreement >= 97 % takes 50-70 % recomputed on this model: selections that know the answer (upper
-    bounds) give 92-93 % at 15 % (``docs/results.md``, "How far any pick of 15 % can go").
+    bounds) give 92-93 % at 15 % (``docs/history/2026-11-24-results-journal.md``, "How far any pick of 15 % can go").
     """
 
     recompute_ratio: float = 0.15
@@ -98,7 +98,7 @@ class BlendConfig:
 
 #: The blend's quality choices, by name (``KVEngine(blend=...)``, ``from_model_id(blend=...)``): ``"fast"`` (the
 #: default) and ``"balanced"`` recompute the shares of the cached document tokens that held perplexity within +2 %
-#: and +0.5 % of full prefill on the dev transcripts (``docs/results.md``, "The blend's presets"); ``"exact"`` blends
+#: and +0.5 % of full prefill on the dev transcripts (``docs/results.md``, "The presets, and EPIC's pick"); ``"exact"`` blends
 #: nothing: documents are plain text, reused only inside a stored prefix, so answers are the no-cache answers up to
 #: the stored level's own loss (none at ``level="lossless"`` on a 16-bit model).
 PRESETS: dict[str, BlendConfig | None] = {
