@@ -137,7 +137,7 @@ def _profile(args: argparse.Namespace) -> int:
     from .codec.fitting import CALIBRATION, FitPlan, calibration_texts, fit_profile  # noqa: PLC0415
     from .codec.profiles import default_profile_path  # noqa: PLC0415
     from .codec.rotary import RotarySpec  # noqa: PLC0415
-    from .keys.fingerprint import model_fingerprint  # noqa: PLC0415
+    from .keys.fingerprint import model_fingerprint, model_identity  # noqa: PLC0415
     from .models import load_model  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -152,6 +152,7 @@ def _profile(args: argparse.Namespace) -> int:
     plan = FitPlan(texts=len(texts), tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, contexts=(context,))
     t1 = time.perf_counter()
     profile = fit_profile(model, tok, texts, config, plan=plan, fingerprint=fp, rotary=RotarySpec.from_model(model),
+                          identity=model_identity(model, tok),
                           progress=lambda xs: tqdm(xs, desc="fitting", unit="text", file=sys.stderr),
                           source=f"{args.texts or 'the shipped calibration text'} records {args.first}-{args.first + len(texts) - 1}")  # fmt: skip
     out = Path(args.out) if args.out else default_profile_path(fp, config)
