@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -114,20 +115,10 @@ def test_what_is_not_damage_is_not_moved(tmp_path):
 def test_processes_opening_it_together_move_it_once(tmp_path):
     d = tmp_path / "kv"
     damaged_store(d, DAMAGE["overwritten"])
-    stores, errors = [], []
-
-    def open_it() -> None:
-        try:
-            stores.append(DiskCacheStore(d))
-        except Exception as e:  # noqa: BLE001  (reported below)
-            errors.append(e)
-
-    threads = [threading.Thread(target=open_it) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(stores) == 4 and len(list(d.glob("damaged-*"))) == 1
+    start = threading.Barrier(8)
+    with ThreadPoolExecutor(8) as pool:  # eight openers at once (a thread's lock file handle is its own)
+        stores = list(pool.map(lambda _: (start.wait(), DiskCacheStore(d))[1], range(8)))
+    assert len(list(d.glob("damaged-*"))) == 1
     stores[0].put("k", b"v")
     assert all(s.get("k") == b"v" for s in stores)  # one store, shared
 
