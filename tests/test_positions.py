@@ -53,33 +53,34 @@ def test_generate_refuses_a_request_past_the_positions(tiny_tokenizer):
     e = engine(model)
     prompt = words(1, LIMIT - 4)
     assert len(e.tokenize(prompt)) == LIMIT - 4  # a token a word
-    text, info = e.generate(prompt, max_new_tokens=4)  # exactly the model's positions
-    assert text == plain_greedy(model, tiny_tokenizer, prompt, 4) and info.prompt_tokens == LIMIT - 4
-    with pytest.raises(ValueError, match=rf"prompt's {LIMIT - 4} tokens \+ max_new_tokens=5 = {LIMIT + 1} positions exceed the model's {LIMIT} "):
-        e.generate(prompt, max_new_tokens=5)
-    with pytest.raises(ValueError, match=rf"prompt's {LIMIT + 1} tokens exceed the model's {LIMIT} positions"):
+    text, info = e.generate(prompt, max_new_tokens=5)  # exactly the model's positions: the last new token is never read
+    assert text == plain_greedy(model, tiny_tokenizer, prompt, 5) and info.prompt_tokens == LIMIT - 4 and info.new_tokens == 5
+    with pytest.raises(ValueError, match=rf"prompt's {LIMIT - 4} tokens and max_new_tokens=6 need {LIMIT + 1} positions, the model has {LIMIT}: "):
+        e.generate(prompt, max_new_tokens=6)
+    assert e.store_kv(words(2, LIMIT))
+    with pytest.raises(ValueError, match=rf"prompt's {LIMIT + 1} tokens need {LIMIT + 1} positions, the model has {LIMIT}: shorten the prompt \("):
         e.store_kv(words(2, LIMIT + 1))
     store = MemoryStore()
     e = engine(model, store)
-    with pytest.raises(ValueError, match=rf"{LIMIT + 60} positions exceed the model's {LIMIT}"):
+    with pytest.raises(ValueError, match=rf"need {LIMIT + 59} positions, the model has {LIMIT}"):
         e.generate_many([words(3, 2), words(4, LIMIT)], max_new_tokens=60)  # the second: refused before any work
     assert len(store) == 0 and not e.metrics_recorder.snapshot()
     stream = e.stream(words(5, LIMIT + 10), max_new_tokens=2)
-    with pytest.raises(ValueError, match=rf"exceed the model's {LIMIT} positions"):
+    with pytest.raises(ValueError, match=rf"the model has {LIMIT}"):
         next(stream)
 
 
 def test_both_langchain_classes_refuse_it(tiny_tokenizer):
     llm = CacheGenLLM(engine=engine(llama()))
     long = words(6, LIMIT + 1)
-    with pytest.raises(ValueError, match=rf"exceed the model's {LIMIT} positions"):
+    with pytest.raises(ValueError, match=rf"the model has {LIMIT}"):
         llm.invoke(long)
-    with pytest.raises(ValueError, match=rf"exceed the model's {LIMIT} positions"):
+    with pytest.raises(ValueError, match=rf"the model has {LIMIT}"):
         list(llm.stream(long))
     chat = ChatCacheGen(llm=llm)
-    with pytest.raises(ValueError, match=rf"exceed the model's {LIMIT} positions"):
+    with pytest.raises(ValueError, match=rf"the model has {LIMIT}"):
         chat.invoke([HumanMessage(long)])
-    with pytest.raises(ValueError, match=rf"exceed the model's {LIMIT} positions"):
+    with pytest.raises(ValueError, match=rf"the model has {LIMIT}"):
         list(chat.stream([HumanMessage(long)]))
 
 
@@ -87,9 +88,9 @@ def test_learned_positions_would_fail_inside_torch(tiny_tokenizer):
     model = make_family_model("gpt2")
     e = engine(model)
     prompt = words(7, 1020)
-    assert e.generate(prompt, max_new_tokens=4)[0] == plain_greedy(model, tiny_tokenizer, prompt, 4)  # 1,024 positions
-    with pytest.raises(ValueError, match=r"1020 tokens \+ max_new_tokens=5 = 1025 positions exceed the model's 1024"):
-        e.generate(prompt, max_new_tokens=5)
+    assert e.generate(prompt, max_new_tokens=5)[0] == plain_greedy(model, tiny_tokenizer, prompt, 5)  # 1,024 positions
+    with pytest.raises(ValueError, match=r"1020 tokens and max_new_tokens=6 need 1025 positions, the model has 1024"):
+        e.generate(prompt, max_new_tokens=6)
 
 
 def test_rotary_scaling_extends_the_range(tiny_tokenizer):
@@ -98,5 +99,5 @@ def test_rotary_scaling_extends_the_range(tiny_tokenizer):
     prompt = words(8, 3 * LIMIT)
     assert e.max_positions == 4 * LIMIT
     assert e.generate(prompt, max_new_tokens=4)[0] == plain_greedy(model, tiny_tokenizer, prompt, 4)  # as the model answers
-    with pytest.raises(ValueError, match=rf"exceed the model's {4 * LIMIT} positions"):
-        e.generate(words(9, 4 * LIMIT), max_new_tokens=1)
+    with pytest.raises(ValueError, match=rf"the model has {4 * LIMIT}"):
+        e.generate(words(9, 4 * LIMIT), max_new_tokens=2)

@@ -1,10 +1,11 @@
 """How many positions a model attends over, and the check that a request fits in them.
 
-A request needs ``prompt tokens + max_new_tokens`` positions (counted as vLLM and OpenAI count a
-context: every token the answer may reach, whether or not generation stops sooner). Past the
-model's range a rotary model extrapolates (its answers degrade, silently) and a model with learned
-positions (GPT-2) fails inside ``torch``; the engine refuses such a request up front with a
-``ValueError`` naming both numbers.
+A request reads ``prompt tokens + max_new_tokens - 1`` positions: the prompt's and every new
+token's but the last, which is sampled and never read back (as transformers counts when it warns
+past ``max_position_embeddings``), whether or not generation stops sooner. Past the model's range a
+rotary model extrapolates (its answers degrade, silently) and a model with learned positions (GPT-2)
+fails inside ``torch``; the engine refuses such a request up front with a ``ValueError`` naming
+both numbers.
 
 The range (:func:`position_limit`) is the config's ``max_position_embeddings``, unless its rotary
 scaling extends it: with a ``factor`` and the pretraining length (``original_max_position_embeddings``,
@@ -49,13 +50,17 @@ def position_limit(config: Any) -> int | None:
     return best
 
 
+def positions_needed(prompt_tokens: int, new_tokens: int) -> int:
+    """The positions a request reads: the prompt's and every new token's but the last (sampled, never read back)."""
+    return prompt_tokens + max(0, new_tokens - 1)
+
+
 def check_positions(limit: int | None, prompt_tokens: int, new_tokens: int) -> None:
-    """``ValueError`` when ``prompt_tokens + new_tokens`` exceed ``limit`` (None: no limit)."""
-    if limit is None or prompt_tokens + new_tokens <= limit:
+    """``ValueError`` when a request of ``prompt_tokens`` and up to ``new_tokens`` new ones needs more positions
+    than ``limit`` (None: no limit)."""
+    needed = positions_needed(prompt_tokens, new_tokens)
+    if limit is None or needed <= limit:
         return
-    if new_tokens:
-        asked = f"the prompt's {prompt_tokens} tokens + max_new_tokens={new_tokens} = {prompt_tokens + new_tokens} positions exceed"
-    else:
-        asked = f"the prompt's {prompt_tokens} tokens exceed"
-    raise ValueError(f"{asked} the model's {limit} positions: shorten the prompt"
+    asked = f"the prompt's {prompt_tokens} tokens" + (f" and max_new_tokens={new_tokens}" if new_tokens else "")
+    raise ValueError(f"{asked} need {needed} positions, the model has {limit}: shorten the prompt"
                      f"{' or ask for fewer new tokens' if new_tokens else ''} (docs/models.md, 'Prompt length')")  # fmt: skip
