@@ -73,7 +73,8 @@ def describe(store: KVStore, key: str) -> dict[str, Any]:
     if not chunks:
         raise LookupError(f"no entry or chunk {key!r} in {backend!r}")
     if len(chunks) > 1:
-        raise LookupError(f"{len(chunks)} chunks start with {key!r}: give more of the id ({', '.join(c[:16] for c in chunks[:5])}...)")
+        some = ", ".join(c[:16] for c in chunks[:5]) + (", ..." if len(chunks) > 5 else "")
+        raise LookupError(f"{len(chunks)} chunks start with {key!r}: give more of the id ({some})")
     chunk = chunks[0]
     out: dict[str, Any] = {"chunk": chunk, "manifest": None, "blobs": {}}
     for k in sorted(backend.keys(chunk)):
