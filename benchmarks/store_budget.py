@@ -257,8 +257,9 @@ def arguments() -> argparse.ArgumentParser:
     ap = parser(__doc__, quick_help="fewer contexts, requests and measurements (under 15 minutes on 2 cores)")
     ap.add_argument("--measure", type=int, default=6, help="contexts the costs are measured on")
     ap.add_argument("--contexts", type=int, default=40, help="distinct contexts of the zipf trace")
-    ap.add_argument("--lengths", type=int, nargs=2, default=[3072, 8192], metavar=("MIN", "MAX"),
-                    help="tokens of the measured and the zipf trace's contexts")  # fmt: skip
+    ap.add_argument("--lengths", type=int, nargs=2, default=[3072, 7936], metavar=("MIN", "MAX"),
+                    help="tokens of the measured and the zipf trace's contexts (the reference model reads 8,192 positions: "
+                         "the longest context and the question after it fit, docs/models.md)")  # fmt: skip
     ap.add_argument("--requests", type=int, default=400, help="requests of the zipf and rag traces")
     ap.add_argument("--chats", type=int, default=8)
     ap.add_argument("--turns", type=int, default=10)

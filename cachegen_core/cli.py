@@ -1,20 +1,23 @@
-"""The ``cachegen`` command line: inspect blobs, prepare models, fit profiles.
+"""The ``cachegen`` command line: inspect blobs and stores, prepare models, fit profiles.
 
-    cachegen inspect BLOB
+    cachegen inspect FILE              a blob file's header (JSON)
+    cachegen inspect STORE KEY         an entry of a store (a blob's header, a manifest), or a chunk by its id's start
+    cachegen ls [STORE] [--json] [--no-headers]   (alias: keys) a store's chunks: options, bytes, age, model
     cachegen model prepare [NAME]      convert the bundled reference model (or a .gguf) once; print its dir
     cachegen model path [NAME]         print its dir without converting (exit 1: not prepared yet)
     cachegen profile [--model MODEL] [--texts FILE.jsonl] [--field prompt] [--first I] [--last J] [--max-tokens N] [--out PATH]
     cachegen stats [STORE] [--namespace NS] [--no-headers]
     cachegen gc [STORE] [--older-than 7d] [--max-bytes 5G] [--model FP] [--orphans] [--tier raw] [--dry-run]
 
-STORE is a store URL (``disk``, a directory, ``memory``, ``redis://``, ``rediss://``; default
-``$CACHEGEN_STORE``, else ``disk``), see ``cachegen_core.stores.url``.
+STORE is a store URL (``disk``, a directory, ``memory``, ``redis://``, ``rediss://``, ``redis-cluster://``;
+default ``$CACHEGEN_STORE``, else ``disk``), see ``cachegen_core.stores.url``. A command opens an existing
+store only: a directory that holds none is an error, never created (nor a damaged one moved aside).
 
 Adding a subcommand: write ``_register_<name>(sub)`` that adds its parser with
 ``set_defaults(func=handler)`` (``handler(args) -> exit code``) and append it to
-:data:`REGISTRY`. Handlers import what they need lazily so ``cachegen --help`` stays fast;
-a :class:`~cachegen_core.errors.CacheGenError` escaping a handler is printed as
-``error: ...`` with exit code 2.
+:data:`REGISTRY`. Handlers import what they need lazily so ``cachegen --help`` stays fast, and raise
+on failure: any exception escaping a handler is printed as one line, ``error: ...``, with exit code 2
+(``--traceback`` shows it whole).
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+from .errors import CacheGenFormatError
 
 #: A subcommand handler: parsed arguments in, exit code out.
 Command = Callable[[argparse.Namespace], int]
@@ -34,18 +40,74 @@ Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], Non
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .errors import CacheGenFormatError  # noqa: PLC0415
-    from .codec.format import read_header  # noqa: PLC0415
+    if args.key is not None:
+        from .stores.listing import describe  # noqa: PLC0415
 
-    data = Path(args.blob).read_bytes()
-    try:
-        header = read_header(data)
-    except CacheGenFormatError as e:
-        print(f"error: {args.blob}: {e}", file=sys.stderr)
-        return 2
-    header["blob_bytes"] = len(data)
-    print(json.dumps(header, indent=2, sort_keys=True))
+        with _open_store(args, args.target) as store:
+            out = describe(store, args.key)
+    else:
+        from .codec.format import read_header  # noqa: PLC0415
+
+        path = Path(args.target)
+        if path.is_dir() or not path.exists():
+            what = "is a directory" if path.is_dir() else "no such file"
+            raise ValueError(f"{args.target}: {what} (a blob file, or a store and a key: cachegen inspect STORE KEY)")
+        data = path.read_bytes()
+        try:
+            out = read_header(data)
+        except CacheGenFormatError as e:
+            raise CacheGenFormatError(f"{args.target}: {e}") from None
+        out["blob_bytes"] = len(data)
+    print(json.dumps(out, indent=2, sort_keys=True))
     return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from .stores.listing import chunk_rows  # noqa: PLC0415
+
+    with _open_store(args) as store:
+        rows, others = chunk_rows(store, headers=not args.no_headers)
+    if args.json:
+        for row in [*rows, *others]:
+            print(json.dumps(row))
+        return 0
+    table = [("CHUNK", "MANIFEST", "OPTIONS", "BYTES", "AGE", "MODEL")]
+    table += [(r["chunk"][:16], "yes" if r["manifest"] is not None else "-", ",".join(r["options"]) or "-", _size(r["bytes"]),
+               _age(r["age_s"]), (r.get("model") or "-")[:12]) for r in rows]  # fmt: skip
+    if others:
+        table += [("", "", "", "", "", ""), ("OTHER KEY", "", "", "BYTES", "AGE", "")]
+        table += [(o["key"], "", "", _size(o["bytes"]), _age(o["age_s"]), "") for o in others]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    total = sum(r["bytes"] for r in rows) + sum(o["bytes"] for o in others)
+    bare = sum(r["manifest"] is None for r in rows)
+    print(f"{_count(len(rows), 'chunk')} ({bare} without a manifest), {_count(len(others), 'other key')}, {_size(total)}")
+    return 0
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _size(n: int) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 KiB``, ``3.2 GiB``."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _age(seconds: float | None) -> str:
+    """An age for people: ``42s``, ``5m``, ``3h``, ``2d`` (``-``: the store keeps no times)."""
+    if seconds is None:
+        return "-"
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
@@ -75,7 +137,7 @@ def _profile(args: argparse.Namespace) -> int:
     from .codec.fitting import CALIBRATION, FitPlan, calibration_texts, fit_profile  # noqa: PLC0415
     from .codec.profiles import default_profile_path  # noqa: PLC0415
     from .codec.rotary import RotarySpec  # noqa: PLC0415
-    from .keys.fingerprint import model_fingerprint  # noqa: PLC0415
+    from .keys.fingerprint import model_fingerprint, model_identity  # noqa: PLC0415
     from .models import load_model  # noqa: PLC0415
 
     t0 = time.perf_counter()
@@ -90,6 +152,7 @@ def _profile(args: argparse.Namespace) -> int:
     plan = FitPlan(texts=len(texts), tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, contexts=(context,))
     t1 = time.perf_counter()
     profile = fit_profile(model, tok, texts, config, plan=plan, fingerprint=fp, rotary=RotarySpec.from_model(model),
+                          identity=model_identity(model, tok),
                           progress=lambda xs: tqdm(xs, desc="fitting", unit="text", file=sys.stderr),
                           source=f"{args.texts or 'the shipped calibration text'} records {args.first}-{args.first + len(texts) - 1}")  # fmt: skip
     out = Path(args.out) if args.out else default_profile_path(fp, config)
@@ -102,9 +165,25 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _register_inspect(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    p = sub.add_parser("inspect", help="print a blob's header as JSON")
-    p.add_argument("blob")
+    p = sub.add_parser("inspect", help="print a blob's header as JSON: of a file, or of an entry or chunk of a store",
+                       description="cachegen inspect FILE: the header of a blob file. cachegen inspect STORE KEY: the entry "
+                       "under KEY in the store (a blob's header, a manifest's options), or the chunk whose id starts with "
+                       "KEY (8 hex digits at least, as `cachegen ls` prints them): its manifest and each blob's header.")  # fmt: skip
+    p.add_argument("target", metavar="FILE|STORE", help="a blob file, or a store URL (disk, a directory, redis://...) with KEY")
+    p.add_argument("key", nargs="?", default=None, metavar="KEY", help="a key of the store, or the start of a chunk id")
+    p.add_argument("--namespace", default=None, help="key prefix (default: $CACHEGEN_NAMESPACE, else cachegen:)")
     p.set_defaults(func=_inspect)
+
+
+def _register_ls(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("ls", aliases=["keys"], help="list a store's chunks (options, bytes, age, model) and other keys",
+                       description="One line per chunk: its id (the first 16 hex digits; `cachegen inspect STORE ID` shows "
+                       "it), whether its manifest is there, the options stored (levels, raw forms), bytes (on Redis: its "
+                       "memory usage), age (since last use) and model fingerprint; then the keys that are no chunk's.")  # fmt: skip
+    _store_arguments(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per line, chunk ids whole")
+    p.add_argument("--no-headers", action="store_true", help="skip reading blob headers (no model column)")
+    p.set_defaults(func=_ls)
 
 
 def _register_model(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -147,13 +226,15 @@ def parse_quantity(text: str, units: str) -> float:
     return float(m[1]) * _UNITS[unit if units == "time" or unit != "m" else "mb"]
 
 
-def _open_store(args: argparse.Namespace) -> Any:
+def _open_store(args: argparse.Namespace, url: str | None = None) -> Any:
+    """The store the command names (``url``, else ``args.store``, else ``$CACHEGEN_STORE``): an existing one, never
+    created or repaired by a command that reads it."""
     from .ops.settings import load  # noqa: PLC0415
     from .stores.url import open_store  # noqa: PLC0415
 
     settings = load()
-    return open_store(args.store or settings.store, namespace=args.namespace or settings.namespace,
-                      cache_dir=settings.cache_dir)  # fmt: skip
+    return open_store(url or args.store or settings.store, namespace=args.namespace or settings.namespace,
+                      cache_dir=settings.cache_dir, create=False)  # fmt: skip
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -167,12 +248,8 @@ def _stats(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from .stores.admin import GcPolicy, gc  # noqa: PLC0415
 
-    try:
-        policy = GcPolicy(args.older_than, None if args.max_bytes is None else int(args.max_bytes), args.model, args.orphans,
-                          tier=args.tier)  # fmt: skip
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    policy = GcPolicy(args.older_than, None if args.max_bytes is None else int(args.max_bytes), args.model, args.orphans,
+                      tier=args.tier)  # fmt: skip
     with _open_store(args) as store:
         print(json.dumps(gc(store, policy, dry_run=args.dry_run), indent=2))
     return 0
@@ -206,13 +283,14 @@ def _register_gc(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
 
 
 #: Every subcommand, in the order ``--help`` lists them; append yours.
-REGISTRY: list[Register] = [_register_inspect, _register_model, _register_profile, _register_stats, _register_gc]
+REGISTRY: list[Register] = [_register_inspect, _register_ls, _register_model, _register_profile, _register_stats, _register_gc]
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand of :data:`REGISTRY`."""
     ap = argparse.ArgumentParser(prog="cachegen", description="CacheGen KV-cache compression tools")
     ap.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    ap.add_argument("--traceback", action="store_true", help="show the full traceback of an error (for bug reports)")
     sub = ap.add_subparsers(dest="command", required=True)
     for register in REGISTRY:
         register(sub)
@@ -220,17 +298,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``cachegen`` console script; returns the exit code."""
-    from .errors import CacheGenError  # noqa: PLC0415
-
+    """Entry point of the ``cachegen`` console script; returns the exit code: 0, 2 on any error (printed as
+    ``error: ...``, without a traceback unless ``--traceback``), 130 when interrupted."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="cachegen: %(message)s")
     logging.getLogger("cachegen_core").setLevel(logging.WARNING if args.quiet else logging.INFO)
     try:
         return int(args.func(args))
-    except CacheGenError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader of stdout went away (`cachegen ls | head`): not an error of the command
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 0
+    except Exception as e:  # every failure of a command: one line, exit code 2
+        if args.traceback:
+            raise
+        print(f"error: {_message(e)}", file=sys.stderr)
         return 2
+
+
+def _message(e: Exception) -> str:
+    """One line saying what went wrong: the error's own words for the errors a command expects, its type as well
+    for any other (a bug: ``--traceback`` shows where)."""
+    from .errors import CacheGenError  # noqa: PLC0415
+
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"
+    if isinstance(e, (CacheGenError, OSError, ValueError, LookupError, ImportError)):
+        return str(e)
+    return f"{type(e).__name__}: {e} (run with --traceback for where)"
 
 
 if __name__ == "__main__":

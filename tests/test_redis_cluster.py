@@ -3,12 +3,14 @@ joined by ``redis-cli --cluster create`` (``cachegen_core/testing/redis_cluster.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 import redis.cluster
 
+from cachegen_core import cli
 from cachegen_core.engine import KVEngine
 from cachegen_core.errors import StoreError
 from cachegen_core.keys.chunks import blob_key
@@ -104,6 +106,19 @@ def test_a_manifest_is_written_after_its_blobs_on_other_nodes(redis_cluster, tin
     assert len(nodes) == 3  # a chunk's blobs and manifest lie on several nodes
     _, info = e.generate(prompt, max_new_tokens=2)
     assert info.cached_tokens == 4 * CHUNK and not info.errors
+
+
+def test_cachegen_ls_and_inspect_a_cluster(redis_cluster, capsys, tiny_llama, tiny_tokenizer):  # noqa: F811
+    store = RedisStore(redis_cluster.url, namespace="cli:")
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=["raw", 1], background=False, partial_step=0)
+    e.generate(words(52, 3 * CHUNK + 7), max_new_tokens=1)
+    assert cli.main(["ls", redis_cluster.url, "--namespace", "cli:", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 3 and all(r["model"] == e.fingerprint and list(r["options"]) == ["1", "raw"] and r["manifest"] for r in rows)
+    assert cli.main(["inspect", redis_cluster.url, rows[0]["chunk"][:12], "--namespace", "cli:"]) == 0
+    shown = json.loads(capsys.readouterr().out)  # a chunk's entries lie on several nodes
+    assert shown["chunk"] == rows[0]["chunk"] and shown["blobs"]["1"]["level"] == 1  # ls: Redis' memory usage; these: bytes
+    assert shown["manifest"] == {o: b["blob_bytes"] for o, b in shown["blobs"].items()} and list(shown["manifest"]) == ["1", "raw"]
 
 
 def test_a_master_killed_mid_stream_fails_over_and_reuse_resumes(fresh_redis_cluster, tiny_llama, tiny_tokenizer):  # noqa: F811

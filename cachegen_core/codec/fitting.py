@@ -72,12 +72,14 @@ def fit_profile(
     guard: Callable[[], ContextManager[Any]] | None = None,
     progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
     source: str = "the calibration text shipped with cachegen_core",
+    identity: dict[str, Any] | None = None,
 ) -> Profile:
     """A profile of ``model`` fitted on ``texts`` (default: ``calibration_texts()``) under ``config``.
 
     ``rotary``: the model's rotary embedding (keys are coded before it), None for keys as they are.
     ``guard``: a context manager factory every model call runs inside; ``progress``: wraps the text
-    loop (a progress bar); ``source``: what the texts are, kept in the profile. With ``config.transform == "none"`` only the classes are fitted."""
+    loop (a progress bar); ``source``: what the texts are, kept in the profile; ``identity``: the model's
+    (``keys.fingerprint.model_identity``), kept too. With ``config.transform == "none"`` only the classes are fitted."""
     config = config or CodecConfig()
     guard = guard or contextlib.nullcontext
     texts = list(texts) if texts is not None else calibration_texts()
@@ -111,7 +113,7 @@ def fit_profile(
     about = {"source": source, "texts": len(ids), "tokens": sum(min(len(x), plan.tokens) for x in ids),
              "fisher_draws": len(stats.contexts) if stats else 0}  # fmt: skip
     return Profile.fit(config, caches, transform=transform, rotary=rotary, chunk_tokens=plan.chunk_tokens,
-                       model_fingerprint=fingerprint, about=about)  # fmt: skip
+                       model_fingerprint=fingerprint, about=about, identity=identity)  # fmt: skip
 
 
 def fit_weights(

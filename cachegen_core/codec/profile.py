@@ -39,6 +39,8 @@ OLD_FORMATS = ("cachegen-profile-v2", "cachegen-profile-v3", "cachegen-profile-v
 #: Largest profile accepted (sum of its tensors' bytes); the reference model's is ~1.8 MB, a 7B GQA's ~13 MB.
 MAX_PROFILE_BYTES = 1 << 30
 _STORED = ("synthesis", "widths", "column_scale", "spread")
+#: The metadata entry holding the identity of the model a profile was fitted on (``keys.fingerprint.model_identity``).
+IDENTITY_KEY = "model"
 
 
 def symbol_histogram(symbols: torch.Tensor) -> torch.Tensor:
@@ -119,11 +121,13 @@ class Profile:
         chunk_tokens: int = 1536,
         model_fingerprint: str = "",
         about: dict[str, Any] | None = None,
+        identity: dict[str, Any] | None = None,
     ) -> "Profile":
         """Classes from the symbols of ``caches`` (contexts from position 0) cut in chunks of
         ``chunk_tokens``, at every level, coded with ``transform`` as stored (identity when None)
         and keys before ``rotary`` (as they are when None). ``about``: what it was fitted on, kept
-        in the metadata for people."""
+        in the metadata for people; ``identity``: the model's (``keys.fingerprint.model_identity``),
+        so that the profile serves the same model loaded in another dtype (not part of its id)."""
         counts: torch.Tensor | None = None
         shape = None
         n_chunks = 0
@@ -163,6 +167,7 @@ class Profile:
             "chunk_tokens": chunk_tokens,
             "n_chunks": n_chunks,
             "fitted_on": about or {},
+            **({IDENTITY_KEY: identity} if identity is not None else {}),
         }
         classes = classes_from_counts(counts.numpy(), config.table_classes).reshape(config.n_levels, 2, shape[0], -1)
         return cls(classes, meta, kept, rotary)
@@ -274,8 +279,9 @@ def _from_parts(tensors: dict[str, np.ndarray], meta: dict[str, Any], source: st
 
 
 def _profile_id(classes: np.ndarray, meta: dict[str, Any], stored: dict[str, np.ndarray] | None) -> str:
+    """A hash of what codes: the metadata (but the model's identity, which only finds the profile), classes, transform."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(json.dumps(meta, sort_keys=True, separators=(",", ":")).encode())
+    h.update(json.dumps({k: v for k, v in meta.items() if k != IDENTITY_KEY}, sort_keys=True, separators=(",", ":")).encode())
     h.update(classes.tobytes())
     for name in _STORED if stored is not None else ():
         h.update(np.ascontiguousarray(stored[name]).tobytes())  # type: ignore[index]

@@ -8,7 +8,9 @@
 
 A profile of the same model fitted for another codec configuration (an older build, another
 ``CodecConfig``) or in an older file format is never used, and never silently: ``find_profile``
-logs it once, with the command that refits it (``stale_profiles``).
+logs it once, with the command that refits it (``stale_profiles``). A profile records the identity
+of the model it was fitted on (``keys.fingerprint.model_identity``): ``family_profiles`` finds the
+candidates for the same model loaded in another dtype, whose fingerprint differs.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from ..errors import CacheGenFormatError
 from ..paths import cache_dir
 from .config import CodecConfig
-from .profile import PROFILE_FORMAT, Profile
+from .profile import IDENTITY_KEY, PROFILE_FORMAT, Profile
 
 log = logging.getLogger(__name__)
 #: The package's shipped profiles (package data).
@@ -77,13 +79,35 @@ def stale_profiles(model_fingerprint: str, config: CodecConfig) -> list[tuple[Pa
     return out
 
 
-def _why(path: Path, config: CodecConfig) -> str:
-    """Why a profile file of this model does not apply, read from its metadata alone."""
+def read_meta(path: Path) -> dict | None:
+    """A profile file's metadata, read from its header alone (None: not readable as a profile's)."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             meta = json.loads(json.loads(f.read(min(n, 1 << 24)))["__metadata__"]["cachegen_profile"])
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def family_profiles(family: str, config: CodecConfig) -> list[tuple[Path, dict]]:
+    """The profile files for this codec (the user cache's, then the shipped ones) fitted on a model of ``family``
+    (``keys.fingerprint.model_family``, whatever its dtype), with their metadata: candidates for a model that has
+    no profile of its own fingerprint (the caller checks the weights they record, ``keys.fingerprint.same_model``)."""
+    out = []
+    for d in (profile_dir(), SHIPPED):
+        for p in sorted(d.glob(f"*-{config.codec_id}.safetensors")) if d.is_dir() else ():
+            meta = read_meta(p)
+            identity = meta.get(IDENTITY_KEY) if meta is not None else None
+            if isinstance(identity, dict) and identity.get("family") == family:
+                out.append((p, meta))
+    return out
+
+
+def _why(path: Path, config: CodecConfig) -> str:
+    """Why a profile file of this model does not apply, read from its metadata alone."""
+    meta = read_meta(path)
+    if meta is None:
         return "it cannot be read"
     if meta.get("format") != PROFILE_FORMAT:
         return f"it is a {meta.get('format')!r} file (this build reads {PROFILE_FORMAT})"

@@ -39,6 +39,7 @@ from .documents import DocumentCaches, Indexed, Reused
 from .info import GenerationInfo, covered_tokens
 from .loading import from_pretrained
 from .options import default_options, storable
+from .positions import check_positions, position_limit
 from .reader import ChunkReader, report
 from .writer import ChunkWriter
 
@@ -117,6 +118,7 @@ class KVEngine:
         self.estimator_name = estimator
         self.estimator = make_estimator(estimator)
         self.kv_geometry = hf.supported_geometry(model)  # raises UnsupportedModel
+        self.max_positions = position_limit(model.config)  # a longer request is refused (positions.py)
         self.buffers = BufferPool(*self.kv_geometry, hf.model_dtype(model), model.device)  # prompts' KV, reused
         self.cost_model = CostModel(2 * self.kv_geometry[0] * self.kv_geometry[1] * self.kv_geometry[2])
         raw = RawCodec(self.fingerprint, limits=self.codec.limits, max_tokens=self.codec.max_tokens)
@@ -149,9 +151,11 @@ class KVEngine:
         """Token ids of ``text`` as the model sees it."""
         return list(self.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"])
 
-    def _ids(self, context: str | Sequence[int]) -> list[int]:
+    def _ids(self, context: str | Sequence[int], new_tokens: int = 0) -> list[int]:
+        """Token ids of ``context``; ``ValueError`` when empty, or when they and ``new_tokens`` exceed the model's positions."""
         if not (ids := self.tokenize(context) if isinstance(context, str) else list(map(int, context))):
             raise ValueError("empty context: nothing to compute")
+        check_positions(self.max_positions, len(ids), new_tokens)
         return ids
 
     def segment(self, parts: Sequence[tuple[str, bool]]) -> SegmentedPrompt:
@@ -242,7 +246,7 @@ class KVEngine:
     def _reuse(self, prompts: list[str | Sequence[int]], new_tokens: int) -> tuple[list, ...]:
         """Per prompt: ids, chunks, a buffer for them and ``new_tokens``, covered prefix, ``Reused``, info."""
         infos = [GenerationInfo() for _ in prompts]
-        all_ids = [self._ids(p) for p in prompts]
+        all_ids = [self._ids(p, new_tokens) for p in prompts]
         buffers = [self.buffers.take(len(ids) + new_tokens + 1) for ids in all_ids]  # uninitialised, model dtype and device
         arrays = [token_array(ids) for ids in all_ids]  # converted once: keys, then partial chunks' keys
         all_chunks = [self._chunk_keys(a) for a in arrays]

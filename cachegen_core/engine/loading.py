@@ -69,7 +69,7 @@ def from_pretrained(
     auto = profile == "auto"
     name = str(path_or_model) if isinstance(path_or_model, (str, Path)) else getattr(model, "name_or_path", "") or "MODEL"
     if auto:
-        profile = resolve_profile(model, fp, config, store, name=name)
+        profile = resolve_profile(model, fp, config, store, name=name, tokenizer=tokenizer)
     elif isinstance(profile, (str, Path)):
         profile = Profile.load(profile)
     engine = cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)

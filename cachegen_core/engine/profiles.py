@@ -1,7 +1,8 @@
 """The profile an engine codes with, and the one every process sharing a store comes to use.
 
 ``resolve_profile`` (``from_pretrained(profile="auto")``) takes, in order: the user cache's
-profile of the model (``cachegen profile``), a shipped one (the reference model's), the one
+profile of the model (``cachegen profile``), a shipped one (the reference model's), one of these
+fitted on the same model loaded in another floating dtype (``same_model_profile``), the one
 published in the store under the model fingerprint and codec id (``profile_key``), else none.
 Without one the engine codes without a profile (each blob carries its components' classes),
 and a ``ProfileFitter`` fits one in the background on the calibration text shipped with the
@@ -32,11 +33,12 @@ from typing import Any
 
 from ..codec.config import CodecConfig
 from ..codec.fitting import FitPlan, fit_profile, fit_weights
-from ..codec.profile import Profile
-from ..codec.profiles import find_profile
+from ..codec.profile import IDENTITY_KEY, Profile
+from ..codec.profiles import SHIPPED, family_profiles, find_profile
 from ..codec.rotary import RotarySpec
 from ..codec.weights import check_weights
 from ..errors import CacheGenError, CacheGenFormatError, StoreError
+from ..keys.fingerprint import model_identity, same_model
 from ..stores.base import KVStore
 from .hf import kv_geometry
 
@@ -84,10 +86,37 @@ def publish(store: KVStore, profile: Profile, config: CodecConfig, model: Any) -
     return read_published(store, profile.model_fingerprint, config, model) or profile
 
 
-def resolve_profile(model: Any, fingerprint: str, config: CodecConfig, store: KVStore, *, name: str = "MODEL") -> Profile | None:
-    """The profile an engine starting now codes with (see the module doc), or None."""
+def resolve_profile(model: Any, fingerprint: str, config: CodecConfig, store: KVStore, *, name: str = "MODEL",
+                    tokenizer: Any = None) -> Profile | None:  # fmt: skip
+    """The profile an engine starting now codes with (see the module doc), or None. ``tokenizer`` (the model's):
+    look for a profile of the same model in another dtype too."""
     found = find_profile(fingerprint, config, model=name)
+    if found is None and tokenizer is not None:
+        found = same_model_profile(model, tokenizer, config)
     return found if found is not None else read_published(store, fingerprint, config, model)
+
+
+def same_model_profile(model: Any, tokenizer: Any, config: CodecConfig) -> Profile | None:
+    """A profile file (the user cache's, else a shipped one) fitted on this model loaded in another dtype: its family
+    and its weights up to the rounding of the two dtypes (``keys.fingerprint.same_model``); None when there is none.
+    What a profile holds (the transform, the tables' classes) is a property of the model's KV that rounding its
+    weights to 16 bits does not change; the chunk keys still bind the fingerprint, dtype included."""
+    identity = model_identity(model, tokenizer)
+    for path, meta in family_profiles(identity["family"], config):
+        if not same_model(meta.get(IDENTITY_KEY), identity):
+            continue
+        try:
+            profile = Profile.load(path)
+            if (profile.meta["num_layers"], profile.meta["kv_heads"], profile.meta["head_dim"]) != kv_geometry(model.config):
+                raise CacheGenFormatError("its shape is not the model's")
+        except CacheGenFormatError as e:
+            log.warning("profile %s of the same model is not used: %s", path, e)
+            continue
+        fitted = meta[IDENTITY_KEY].get("dtype")
+        profile.origin = f"{'shipped with the package' if path.parent == SHIPPED else 'the user cache'}, fitted on the model in {fitted}"
+        log.info("profile %s (%s) serves the model in %s", profile.id, profile.origin, identity["dtype"])
+        return profile
+    return None
 
 
 class _Stopped(Exception):
@@ -148,7 +177,8 @@ class ProfileFitter:
             config, store, model = e.codec.config, e.store, e.model
             fp = e.fingerprint
             profile = fit_profile(model, e.tokenizer, self.texts, config, plan=self.plan, fingerprint=fp,
-                                  rotary=RotarySpec.from_model(model), guard=self._guard)  # fmt: skip
+                                  rotary=RotarySpec.from_model(model), guard=self._guard,
+                                  identity=model_identity(model, e.tokenizer))  # fmt: skip
             self.profile = publish(store, profile, config, model)
             how = "fitted" if self.profile.id == profile.id else "fitted, but another process published one first:"
             log.warning("profile %s %s in %.0f s, published in the store as %s: engines started from now on code with it "

@@ -10,6 +10,11 @@ and differs between two random initialisations of the same config.
 It is an identity check against accidents (another model, dtype or tokenizer sharing
 a cache), not a cryptographic commitment to every weight: a change confined to
 values between the sampled strides is not seen.
+
+A codec profile needs less: the same model whatever floating dtype it is loaded in.
+``model_identity`` (its ``model_family``, dtype-free, and a few values of every parameter) is
+recorded in a profile, and ``same_model`` compares it with a model's within the rounding of two
+floating dtypes (``engine/profiles.py``).
 """
 
 from __future__ import annotations
@@ -119,3 +124,50 @@ def model_fingerprint(model: Any, tokenizer: Any, dtype: torch.dtype | str | Non
         _field(h, "sample", _param_sample(p))
     _field(h, "tokenizer", tokenizer_fingerprint(tokenizer).encode())
     return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- the model whatever its dtype
+
+#: Values of every parameter kept in a model's identity (evenly strided over the flattened tensor).
+IDENTITY_VALUES = 8
+#: How far two values of one weight may differ and still be the same weight rounded to two floating dtypes:
+#: bfloat16 keeps 8 significant bits (a relative error up to 2^-8 each side), float16 flushes to zero below 2^-24.
+_REL_TOL, _ABS_TOL = 2.0**-7, 1e-7
+
+
+def model_family(model: Any, tokenizer: Any) -> str:
+    """Hex id (32 chars) of what ``model`` is whatever floating dtype it is loaded in: its class, its config
+    (dtype aside), the names and shapes of its parameters and its tokenizer, but no value."""
+    h = hashlib.blake2b(digest_size=16, person=b"cachegen-fam-v1")
+    _field(h, "class", type(model).__name__.encode())
+    _field(h, "config", _config_bytes(model))
+    for name, p in model.named_parameters():
+        _field(h, "param", f"{name}|{tuple(p.shape)}".encode())
+    _field(h, "tokenizer", tokenizer_fingerprint(tokenizer).encode())
+    return h.hexdigest()
+
+
+def model_identity(model: Any, tokenizer: Any) -> dict[str, Any]:
+    """What a profile records of the model it was fitted on, to serve the same model in another dtype
+    (:func:`same_model`): its family, its dtype and ``IDENTITY_VALUES`` values of every parameter."""
+    values: list[float] = []
+    for _, p in model.named_parameters():
+        if p.device.type == "meta" or p.numel() == 0:
+            continue
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // IDENTITY_VALUES)
+        values += flat[::step][:IDENTITY_VALUES].float().cpu().tolist()
+    return {"family": model_family(model, tokenizer), "dtype": str(_model_dtype(model)), "weights": values}
+
+
+def same_model(recorded: Any, identity: dict[str, Any]) -> bool:
+    """Whether ``recorded`` (a profile's ``model_identity``, as read from its file) is ``identity``'s model: the same
+    family, every recorded value within the rounding of two floating dtypes of the other (``bfloat16``, ``float16``,
+    ``float32``). A model whose weights differ by more (another fine-tune) is another model."""
+    if not isinstance(recorded, dict) or recorded.get("family") != identity["family"]:
+        return False
+    theirs, ours = recorded.get("weights"), identity["weights"]
+    if not isinstance(theirs, list) or len(theirs) != len(ours) or not all(isinstance(v, (int, float)) for v in theirs):
+        return False
+    a, b = torch.tensor(theirs, dtype=torch.float64), torch.tensor(ours, dtype=torch.float64)
+    return bool(((a - b).abs() <= _REL_TOL * torch.maximum(a.abs(), b.abs()) + _ABS_TOL).all())

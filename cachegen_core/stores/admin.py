@@ -64,6 +64,7 @@ class Scan:
     chunks: dict[str, ChunkEntries]
     other_keys: int = 0
     other_bytes: int = 0
+    others: list[tuple[str, int, float | None]] = field(default_factory=list)  # (key, bytes, age) of each
 
     @property
     def bytes(self) -> int:
@@ -87,6 +88,7 @@ def scan(store: KVStore) -> Scan:
         if m is None:
             out.other_keys += 1
             out.other_bytes += size
+            out.others.append((key, size, age))
             continue
         c = out.chunks.setdefault(m["chunk"], ChunkEntries(m["chunk"]))
         if m["manifest"]:
@@ -122,14 +124,14 @@ def blob_header(store: KVStore, key: str) -> dict[str, Any] | None:
     return None
 
 
-def _option_order(option: int | str) -> tuple[bool, str]:
+def option_order(option: int | str) -> tuple[bool, str]:
     """Levels (numerically, up to 99) before the raw forms."""
     return (isinstance(option, str), f"{option:>2}" if isinstance(option, int) else option)
 
 
 def chunk_model(store: KVStore, chunk: ChunkEntries) -> str | None:
     """The model fingerprint in the header of one of the chunk's blobs (None: no readable blob)."""
-    for level in sorted(chunk.levels, key=_option_order):
+    for level in sorted(chunk.levels, key=option_order):
         header = blob_header(store, f"{chunk.chunk}-L{level}")
         if header is not None and isinstance(header.get("model_fingerprint"), str):
             return header["model_fingerprint"]
@@ -153,7 +155,7 @@ def stats(store: KVStore, *, headers: bool = True) -> dict[str, Any]:
         "manifests": sum(c.manifest is not None for c in s.chunks.values()),
         "manifest_bytes": sum(c.manifest or 0 for c in s.chunks.values()),
         "blobs": sum(len(c.levels) for c in s.chunks.values()),
-        "levels": {str(lv): levels[lv] for lv in sorted(levels, key=_option_order)},
+        "levels": {str(lv): levels[lv] for lv in sorted(levels, key=option_order)},
         "chunks_without_manifest": sum(c.manifest is None for c in s.chunks.values()),
         "other_keys": s.other_keys,
         "oldest_chunk_age_s": max(ages) if ages else None,

@@ -32,6 +32,7 @@ from diskcache.core import MODE_BINARY, MODE_RAW
 from ..errors import StoreError
 from ..paths import cache_dir
 from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
+from .disk_recovery import DB_NAME, damage, open_cache
 from .tiers import CAPACITY_TIER, DEFAULT_RAW_SHARE, RAW_TIER, check_share, chunk_of, eviction_plan, tier_of
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ class DiskCacheStore(BaseKVStore):
     share of it kept for raw forms even when levels want it (see the module doc; default none);
     ``None``: no tiers, diskcache culls by its ``eviction_policy`` (default: oldest stored first). ``timeout`` bounds how long an
     operation waits on a locked database. Extra keyword arguments are diskcache settings.
+    A damaged store (its database overwritten, truncated, unreadable) is moved aside and a new one
+    started (``disk_recovery.py``). ``create=False``: open an existing store only, as a read command
+    does: ``StoreError`` when the directory holds none or a damaged one (nothing created, nothing moved).
     """
 
     local = True
@@ -120,6 +124,7 @@ class DiskCacheStore(BaseKVStore):
         namespace: str = DEFAULT_NAMESPACE,
         max_value_bytes: int | None = None,
         timeout: float = 5.0,
+        create: bool = True,
         **settings: Any,
     ) -> None:
         if size_limit <= 0:
@@ -135,11 +140,20 @@ class DiskCacheStore(BaseKVStore):
             raise ValueError("eviction_policy is diskcache's, used without tiers: give raw_share=None with it")
         self._touched: dict[str, float] = {}  # full key -> time of its last read not yet in the database
         self._touch_lock = threading.Lock()
+        if not create and not os.path.lexists(self.directory / DB_NAME):
+            what = f"it holds no {DB_NAME}" if self.directory.is_dir() else "no such directory"
+            raise StoreError(f"no disk store in {str(self.directory)!r}: {what}")
         with self._errors("open"):
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._cache = diskcache.Cache(
-                str(self.directory), timeout=timeout, disk=_BytesDisk, size_limit=size_limit, **settings
-            )
+            if create:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            open_ = lambda: diskcache.Cache(str(self.directory), timeout=timeout, disk=_BytesDisk, size_limit=size_limit, **settings)  # noqa: E731
+            try:
+                self._cache = open_cache(self.directory, open_, recover=create)
+            except sqlite3.DatabaseError as exc:
+                if (why := damage(exc, self.directory)) is None:
+                    raise
+                raise StoreError(f"the disk store in {str(self.directory)!r} is damaged ({why}); an application opening it "
+                                 "moves it aside and starts an empty one") from exc  # fmt: skip
         self._cache.disk.max_value_bytes = max_value_bytes
 
     @contextmanager

@@ -78,10 +78,13 @@ def _split_options(spec: str, kind: str) -> tuple[str, dict[str, Any]]:
     return (base + "?" + urlencode(rest) if rest else base), options
 
 
-def open_store(url: str, *, namespace: str = DEFAULT_NAMESPACE, cache_dir: str | Path | None = None, **options: Any) -> KVStore:
+def open_store(url: str, *, namespace: str = DEFAULT_NAMESPACE, cache_dir: str | Path | None = None, create: bool = True,
+               **options: Any) -> KVStore:  # fmt: skip
     """The store ``url`` describes (see the module doc), with ``namespace``.
 
     ``cache_dir``: the directory of ``disk`` (default: the package cache's ``kv``).
+    ``create=False``: a disk store must exist already (``StoreError`` otherwise, and for a damaged one: nothing
+    is created or moved aside), as the ``cachegen`` commands that read a store want.
     ``options`` go to the store's constructor (e.g. ``size_limit``, ``ttl_s``) and win over the URL's.
     """
     spec = url.strip()
@@ -102,15 +105,16 @@ def open_store(url: str, *, namespace: str = DEFAULT_NAMESPACE, cache_dir: str |
     if spec.split("?")[0] == "disk":
         spec, given = _split_options(spec, "disk")
         directory = Path(cache_dir) / "kv" if cache_dir is not None else None
-        return DiskCacheStore(directory, namespace=namespace, **{**given, **options})
+        return DiskCacheStore(directory, namespace=namespace, create=create, **{**given, **options})
     given = {}
     if spec.startswith("disk://"):
         spec, given = _split_options(spec[len("disk://") :], "disk")
         if not spec:
             raise ValueError("disk:// needs a path: disk:///var/cache/cachegen")
     elif "://" in spec:
-        raise ValueError(f"unknown store URL scheme in {describe(url)!r}: use disk, memory, a directory, redis:// or rediss://")
-    return DiskCacheStore(Path(spec).expanduser(), namespace=namespace, **{**given, **options})
+        raise ValueError(f"unknown store URL scheme in {describe(url)!r}: use disk, memory, a directory, redis://, rediss:// "
+                         "or redis-cluster://")
+    return DiskCacheStore(Path(spec).expanduser(), namespace=namespace, create=create, **{**given, **options})
 
 
 def describe(url: str) -> str:
