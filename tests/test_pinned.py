@@ -189,3 +189,13 @@ def test_limits_from_the_environment(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only torch")
 def test_no_arena_without_a_gpu():
     assert pinned.host_arena() is None and pinned.pinned_tensor(b"x") is None
+
+
+def test_parallel_copy_copies_every_byte(monkeypatch):
+    monkeypatch.setattr(pinned, "PARALLEL_COPY_BYTES", 10_000)
+    src = np.frombuffer(np.random.default_rng(0).bytes(123_457), np.uint8)
+    dst = np.zeros_like(src)
+    pinned.parallel_copy(dst, src, threads=4)
+    assert np.array_equal(dst, src)
+    with pytest.raises(ValueError):
+        pinned.parallel_copy(dst[:-1], src)
