@@ -153,8 +153,14 @@ def to_host(kv: KVCache) -> KVCache:
     host.values.copy_(kv.values, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(kv.keys.device))
-    setattr(host.keys, _COPY_EVENT, done)
-    return host
+    return copy_pending(host, done)
+
+
+def copy_pending(kv: KVCache, event: Any) -> KVCache:
+    """``kv`` (in host memory), marked as the target of a copy that ends with ``event``: see ``host_ready``."""
+    if event is not None:
+        setattr(kv.keys, _COPY_EVENT, event)
+    return kv
 
 
 def host_ready(kv: KVCache) -> KVCache:

@@ -14,12 +14,12 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ..errors import StoreError
-from ..pinned import HostArena, HostBlock, host_arena, parallel_copy, root_block
+from ..pinned import HostArena, host_arena, parallel_copy, root_block
 from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
 
 #: Values from this size on are held in pinned memory where a GPU is (smaller ones: manifests, profiles).
 PIN_MIN_BYTES = 1 << 20
-Value = bytes | HostBlock
+Value = bytes | np.ndarray  # an array: bytes in a pinned block (a ``HostBlock`` or a view of one)
 from .tiers import CAPACITY_TIER, DEFAULT_RAW_SHARE, RAW_TIER, Tier, check_share, chunk_of, raw_keys, tier_of, yielding_tier
 
 
@@ -163,15 +163,14 @@ class MemoryStore(BaseKVStore):
         return [v if v is None or isinstance(v, bytes) else v.tobytes() for v in values]
 
     def _held(self, value: object) -> Value:
-        """What the store holds for ``value``: pinned when it is big and the arena has room (a whole block of that
-        arena, as a memoryview or itself, is taken as it is: a chunk a GPU staged there), else its bytes."""
+        """What the store holds for ``value``: pinned when it is big and the arena has room (bytes already in a block of
+        that arena, as a memoryview or a view, are taken as they are: a chunk a GPU staged there), else its bytes."""
         arena = self.arena
         size = len(value) if isinstance(value, (bytes, bytearray, memoryview, np.ndarray)) else -1
         if arena is None or size < PIN_MIN_BYTES or (self.max_value_bytes is not None and size > self.max_value_bytes):
             return self._value(value)
-        root = root_block(value)
-        if root is not None and root.nbytes == size and arena.tensor(root) is not None:
-            return root
+        if root_block(value) is not None and arena.tensor(value) is not None:
+            return np.frombuffer(value, dtype=np.uint8)  # type: ignore[arg-type]  # its block kept alive through it
         block = arena.alloc(size)
         if block is None:
             return self._value(value)
