@@ -182,17 +182,16 @@ class ChunkReader:
         fetch thread, beside the previous chunk's decode); ``BlobMissing`` when it is not (or no longer) stored.
 
         With a stream's ``reads``: the very object the last stream verified is not verified again (a store
-        that shares its objects), and a raw form of ``size`` bytes (on a GPU any form) is read into one of the
-        stream's buffers (a store that can: ``read_into``). A store that holds pinned values (``views``: the memory
+        that shares its objects), and a local store's raw form of ``size`` bytes (on a GPU any form of any store)
+        is read into one of the stream's buffers (a store that can: ``read_into``). A store that holds pinned values (``views``: the memory
         store on a GPU) hands back the object it holds."""
         name = blob_key(key, option)
-        shares = getattr(self.store, "shares_values", False)
-        read_into = getattr(self.store, "read_into", None)
+        read_into, raw, shares = getattr(self.store, "read_into", None), option in RAW_OPTIONS, getattr(self.store, "shares_values", False)
         view = self.store.view if getattr(self.store, "views", False) else None  # type: ignore[attr-defined]
-        raw = option in RAW_OPTIONS
         if self.hot is not None and (blob := self.hot.get(name)) is not None:
             pass  # before the store: an entry leaves the hot tier only once the store holds it
-        elif reads is not None and read_into is not None and not shares and (raw or reads.arena is not None) and size > 0:
+        elif reads is not None and read_into is not None and not shares and size > 0 and (
+                reads.arena is not None or (raw and getattr(self.store, "local", False))):  # fmt: skip
             blob = read_into(name, reads.buffer(size))
         else:
             blob = view(name) if view is not None else self.store.get(name)
