@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, parser, setup_threads, transcripts
+from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, long_transcripts, parser, setup_threads
 from benchmarks.naive_kv import NAIVE, pinned_copy, pinned_ttft
 from cachegen_core.keys.chunks import chunk_keys
 from cachegen_core.engine import KVEngine, hf
@@ -224,10 +224,10 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
         args.contexts, args.transcripts, args.reps, args.miss_contexts = [3072], 1, 1, 2
     setup_threads()
     model, tok = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    texts = transcripts(args.data, HELD_OUT, args.transcripts)
     t_start = time.perf_counter()
     with redis_links(args.stores) as urls:
         for tokens in args.contexts:
+            texts = long_transcripts(args.data, HELD_OUT, args.transcripts, tok, tokens)  # joined past one transcript's length
             contexts = [Context(model, tok, t, tokens, args.chunk_tokens) for t in texts]
             for store_kind in args.stores:
                 link = LINKS.get(store_kind, EMULATED.get(store_kind))
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
                     out.emit(r)
                 _summary(rows, store_kind, tokens, out)
                 if args.miss_contexts and store_kind in ("memory", "disk", "redis"):
-                    miss_texts = transcripts(args.data, HELD_OUT + 2, args.miss_contexts)
+                    miss_texts = long_transcripts(args.data, HELD_OUT + 2, args.miss_contexts, tok, tokens)
                     out.emit(miss_path(args, model, tok, store_kind, urls.get(store_kind), tokens, miss_texts))
                 # once each store's engines and kept buffers stayed alive (20 GB at 7.5K by the disk store, the page
                 # cache evicted): they are closed now, and anything else left in a cycle is collected here
