@@ -229,7 +229,10 @@ def default_limit() -> int:
     """``CACHEGEN_PINNED_BYTES``, else a quarter of this machine's memory, at most :data:`DEFAULT_LIMIT`."""
     value = os.environ.get("CACHEGEN_PINNED_BYTES", "").strip()
     if value:
-        return max(0, parse_bytes(value))
+        try:
+            return max(0, parse_bytes(value))
+        except ValueError:
+            raise ValueError(f"CACHEGEN_PINNED_BYTES={value!r} is not a size (e.g. 16G, 512M, 0)") from None
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

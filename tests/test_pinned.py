@@ -182,6 +182,9 @@ def test_limits_from_the_environment(monkeypatch):
     assert pinned.default_limit() == 2 << 30
     monkeypatch.setenv("CACHEGEN_PINNED_BYTES", "0")
     assert pinned.default_limit() == 0
+    monkeypatch.setenv("CACHEGEN_PINNED_BYTES", "lots")
+    with pytest.raises(ValueError, match="CACHEGEN_PINNED_BYTES='lots' is not a size"):
+        pinned.default_limit()
     monkeypatch.delenv("CACHEGEN_PINNED_BYTES")
     assert 0 < pinned.default_limit() <= pinned.DEFAULT_LIMIT
 
