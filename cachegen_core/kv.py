@@ -114,14 +114,16 @@ def upload(*arrays: np.ndarray, device: torch.device | str) -> list[torch.Tensor
     host = st.buffer.numpy()
     for a, at in zip(staged, starts):
         parallel_copy(host[at : at + a.size], a)
+    stream = torch.cuda.current_stream(dev)
     whole = st.buffer[: int(starts[-1])].to(dev, non_blocking=True)
+    st.copied = torch.cuda.Event()  # the staging buffer is reused once this copy is done (not the direct ones)
+    st.copied.record(stream)
     out = [whole[at : at + a.size] for a, at in zip(staged, starts)]
     for i, t in direct.items():
         out[i] = t.to(dev, non_blocking=True)
-    st.copied = torch.cuda.Event()
-    st.copied.record(torch.cuda.current_stream(dev))
-    for i in direct:
-        hold_until(flat[i], st.copied)
+        done = torch.cuda.Event()
+        done.record(stream)
+        hold_until(flat[i], done)
     return out
 
 

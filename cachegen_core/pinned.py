@@ -120,9 +120,15 @@ class HostArena:
             self._reclaim(wait=False)
             return sum(s.free_bytes for s in self._slabs)
 
-    def alloc(self, nbytes: int) -> HostBlock | None:
-        """A block of ``nbytes`` (uninitialised), or None when the arena cannot hold it (use plain memory then)."""
+    def alloc(self, nbytes: int, *, reserve: int = 0) -> HostBlock | None:
+        """A block of ``nbytes`` (uninitialised), or None when the arena cannot hold it (use plain memory then).
+        ``reserve``: None as well unless that many bytes of the limit stay free after it (for a holder of many
+        blocks, the memory store, to leave room for the copies in flight)."""
         need = max(self.align, -(-nbytes // self.align) * self.align)
+        if reserve and self.limit_bytes - self.pinned_bytes + self.free_bytes - need < reserve:
+            with self._lock:
+                self.fallbacks += 1
+            return None
         with self._lock:
             found = self._take(need)
             if found is None and self._waiting:  # a block a copy still reads: wait for it rather than fall back

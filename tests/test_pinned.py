@@ -82,6 +82,13 @@ def test_a_full_arena_returns_none_and_counts_the_fallback():
     assert a.alloc(PAGE) is not None
 
 
+def test_a_reserve_leaves_room_for_others():
+    a = arena(pages=8, slab_pages=4)
+    assert a.alloc(5 * PAGE, reserve=4 * PAGE) is None  # would leave 3 pages of the 8
+    held = a.alloc(4 * PAGE, reserve=4 * PAGE)
+    assert held is not None and a.alloc(PAGE, reserve=4 * PAGE) is None and a.alloc(PAGE) is not None
+
+
 def test_slabs_are_made_on_demand_and_a_big_block_gets_a_slab_of_its_own():
     a = arena(pages=16, slab_pages=4)
     assert a.pinned_bytes == 0

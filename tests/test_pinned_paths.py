@@ -50,7 +50,7 @@ def test_the_memory_store_holds_big_values_in_blocks_and_gives_them_back(arena):
 
 def test_values_the_arena_cannot_hold_are_plain_bytes(monkeypatch):
     monkeypatch.setattr(memory, "PIN_MIN_BYTES", 1000)
-    full = HostArena(PAGE, slab_bytes=PAGE, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+    full = HostArena(2 * PAGE, slab_bytes=2 * PAGE, allocate=lambda n: torch.empty(n, dtype=torch.uint8))  # room for one value and the reserve
     store = MemoryStore(pinned=full)
     store.put("a-Lraw", b"a" * 3000)
     store.put("b-Lraw", b"b" * 3000)

@@ -244,8 +244,7 @@ def _to_device(payload: np.ndarray, device: torch.device, pending: Payloads | No
         (staged,) = upload(payload, device=device)
         return staged
     current = torch.cuda.current_stream(device)
-    side = side_stream(device)
-    side.wait_stream(current)
+    side = side_stream(device)  # a copy from host memory into new device memory: nothing on ``current`` to wait for
     with torch.cuda.stream(side):
         (staged,) = upload(payload, device=device)
     pending.verify()  # beside the copy

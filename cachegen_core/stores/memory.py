@@ -32,7 +32,7 @@ class MemoryStore(BaseKVStore):
     ``max_bytes`` kept for raw forms all the same (default none); ``None``: one plain LRU over every key.
     ``pinned``: hold values of ``PIN_MIN_BYTES`` and more in pinned memory where torch sees a GPU (``True``,
     the process's ``pinned.host_arena``), in a given ``HostArena``, or never (``False``); a value the arena
-    has no room for is held as plain bytes.
+    has no room for, an eighth of it kept free for the copies in flight, is held as plain bytes.
     """
 
     local = True
@@ -171,7 +171,7 @@ class MemoryStore(BaseKVStore):
             return self._value(value)
         if root_block(value) is not None and arena.tensor(value) is not None:
             return np.frombuffer(value, dtype=np.uint8)  # type: ignore[arg-type]  # its block kept alive through it
-        block = arena.alloc(size)
+        block = arena.alloc(size, reserve=arena.limit_bytes // 8)  # room left for copies in flight and read buffers
         if block is None:
             return self._value(value)
         parallel_copy(block, np.frombuffer(value, dtype=np.uint8))  # type: ignore[arg-type]
