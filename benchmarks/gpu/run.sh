@@ -1,6 +1,8 @@
 #!/bin/bash
 # Issue 46's whole table on a lent GPU machine, in about 8 device-minutes: the device tool's `run` with carry
-# [".gpu", ".whl"] after benchmarks/gpu/prepare.sh, e.g. `bash benchmarks/gpu/run.sh` (timeout_s 560).
+# [".gpu", ".whl"] after benchmarks/gpu/prepare.sh. The steps' timeouts add up to 580 s (the tool's limit is 600 s a
+# call): one call `bash benchmarks/gpu/run.sh` (timeout_s 600), or two, `... run.sh warm8k warm32k` (340 s) and
+# `... run.sh fresh coder tests` (240 s), each with OUT set apart or the second's log appended to the first's.
 #
 #   bash benchmarks/gpu/run.sh [--dry-run] [STEP ...]     STEP: warm8k warm32k fresh coder tests (default: all, in that order)
 #
@@ -46,7 +48,7 @@ for s in $STEPS; do
     warm32k) step 230 warm32k "${WARM[@]}" --contexts $CTX32 --reps $REPS32 --miss-contexts 2 --out "$OUT/warm_path_32k.jsonl" ;;
     fresh) step 80 fresh "$PY" -m benchmarks.fresh_engine --device "$DEV" --model "$MODEL" --contexts $CTX8 $CTX32 --requests 4 \
              --data "$DATA" --out "$OUT/fresh_engine.jsonl" ;;
-    coder) step 50 coder "$PY" -m benchmarks.coder_throughput "${CODER[@]}" --no-real --no-torchac --cpu-threads "" \
+    coder) step 70 coder "$PY" -m benchmarks.coder_throughput "${CODER[@]}" --no-real --no-torchac --cpu-threads "" \
              --out "$OUT/coder_triton_7b.jsonl" ;;
     tests) step 90 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
     *) echo "unknown step $s" | tee -a "$L" ;;
