@@ -26,4 +26,4 @@ cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/config.json .
 cp ../shared/data/longchat_dev.jsonl .gpu/
 du -sh .whl .gpu
 echo "check run.sh's Python steps here before a GPU is lent (CPU, a tiny shaped model, a few minutes):"
-echo "  OUT=/tmp/out-dry PY=$PY DATA=../shared/data/longchat_dev.jsonl flock /work/heavy.lock bash benchmarks/gpu/run.sh --dry-run"
+echo "  OUT=/tmp/out-dry PY=$PY DATA=../shared/data/longchat_dev.jsonl bash benchmarks/gpu/run.sh --dry-run"
