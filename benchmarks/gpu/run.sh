@@ -20,8 +20,8 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 STEPS=${*:-warm8k warm32k fresh coder tests}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 CACHEGEN_CACHE_DIR=${CACHEGEN_CACHE_DIR:-/tmp/cgcache-$$}
-if [ $DRY = 1 ]; then
+export PYTHONUNBUFFERED=1
+if [ $DRY = 1 ]; then  # this machine's own cache (the reference tokenizer converted there already)
   PY=${PY:-python3}; DEV=cpu; MODEL="llama-shaped:layers=2,hidden=128,heads=4,kv_heads=2,intermediate=256"
   CTX8=3072; CTX32=6144; REPS8=1; REPS32=1; DATA=${DATA:-../shared/data/longchat_dev.jsonl}; THREADS=1
   CODER=(--quick --device cpu); TESTS=(tests/test_gpu_paths.py tests/test_pinned.py)
@@ -30,7 +30,8 @@ else
   DATA=.gpu/longchat_dev.jsonl; THREADS=16; CODER=(--device cuda)
   TESTS=(tests/test_gpu_paths.py tests/test_triton_decoder.py tests/test_pinned_paths.py tests/test_raw.py)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-  export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.gpu/bin:$PATH CACHEGEN_TOKENIZER_DIR=$PWD/.gpu/tok CACHEGEN_NATIVE_LIB=$PWD/.gpu/_native.so
+  export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.gpu/bin:$PATH CACHEGEN_TOKENIZER_DIR=$PWD/.gpu/tok CACHEGEN_NATIVE_LIB=$PWD/.gpu/_native.so \
+         CACHEGEN_CACHE_DIR=${CACHEGEN_CACHE_DIR:-/tmp/cgcache}  # a fresh one: no profile of the shaped model in it
 fi
 L=$OUT/log.txt
 step() { local t=$1 name=$2; shift 2; local s=$SECONDS; timeout "$t" "$@" >> "$OUT/$name.log" 2>&1; local rc=$?
