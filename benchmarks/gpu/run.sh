@@ -4,7 +4,8 @@
 # call): one call `bash benchmarks/gpu/run.sh` (timeout_s 600), or two, `... run.sh warm8k warm32k` (340 s) and
 # `... run.sh fresh coder tests` (240 s), each with OUT set apart or the second's log appended to the first's.
 #
-#   bash benchmarks/gpu/run.sh [--dry-run] [STEP ...]     STEP: warm8k warm32k fresh coder tests (default: all, in that order)
+#   bash benchmarks/gpu/run.sh [--dry-run] [STEP ...]     STEP: warm8k warm32k fresh coder tests (default: these, in this
+#                                                         order) or groups (the transform-group A/B, 80 s: asked alone)
 #
 # A 7B-shaped bf16 Llama (random weights: timing only) at 7,680 and 30,720 tokens: recompute (text), fp16 naive over
 # the store, the hardware's floor (fp16-pinned: pinned copy + question prefill, transformers alone), the engine
@@ -52,6 +53,7 @@ for s in $STEPS; do
     coder) step 70 coder "$PY" -m benchmarks.coder_throughput "${CODER[@]}" --no-real --no-torchac --cpu-threads "" \
              --out "$OUT/coder_triton_7b.jsonl" ;;
     tests) step 90 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
+    groups) step 80 groups "$PY" -m benchmarks.transform_groups --device "$DEV" --out "$OUT/transform_groups.jsonl" ;;
     *) echo "unknown step $s" | tee -a "$L" ;;
   esac
 done
