@@ -24,7 +24,8 @@ measures such files instead (for a machine without the model, e.g. a GPU box).
 GPU lines (``--device cuda``; by default when torch sees a GPU): the Triton decoder's symbols
 (kernel time, and the call with the payloads' copy to the GPU) and, on the 7B-shaped chunk, its
 fused reconstruction into bfloat16 KV with rotary keys (``decode_kv``; ``x_decode``: its kernel
-time over the symbols' kernel time).
+time over the symbols' kernel time; the call from plain memory and from pinned memory, where the
+engine's blobs are on a GPU host, ``x_kernel``: the call's time over its kernel's).
 """
 
 from __future__ import annotations
@@ -196,10 +197,21 @@ def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout,
     step, mean = torch.full((2, layers, heads, dim), 0.01), torch.zeros(2, layers, heads, dim)
     pos = torch.arange(tokens, dtype=torch.float32)[:, None] * 10000.0 ** (-torch.arange(dim // 2) / (dim // 2))
     cos_sin = (torch.cat([pos, pos], 1).cos().cuda(), torch.cat([pos, pos], 1).sin().cuda())
-    fused_kernel, fused_call = timed(lambda: coder.decode_kv(data, offsets, layout, freqs, heads=heads, head_dim=dim, min_symbol=1,
-                                                             step=step, mean=mean, cos_sin=cos_sin, keys=kv[0], values=kv[1], first_token=0))  # fmt: skip
+    def fused(payload: np.ndarray) -> tuple[float, float]:
+        return timed(lambda: coder.decode_kv(payload, offsets, layout, freqs, heads=heads, head_dim=dim, min_symbol=1, step=step,
+                                             mean=mean, cos_sin=cos_sin, keys=kv[0], values=kv[1], first_token=0))  # fmt: skip
+
+    fused_kernel, fused_call = fused(data)
     line(name, "decode_kv", None, fused_kernel, bps, timed="kernel", x_decode=round(fused_kernel / kernel, 2))
-    line(name, "decode_kv", None, fused_call, bps, timed="call: payload copy to the GPU + kernel")
+    line(name, "decode_kv", None, fused_call, bps, timed="call: payload copy to the GPU + kernel", x_kernel=round(fused_call / fused_kernel, 2))
+    from cachegen_core.pinned import host_arena  # noqa: PLC0415
+
+    arena = host_arena()
+    block = arena.alloc(data.size) if arena is not None else None
+    if block is not None:  # where the engine's blobs are on a GPU host: a memory store's block, a pinned read buffer
+        block[:] = data
+        k, c = fused(block)
+        line(name, "decode_kv", None, c, bps, timed="call: payloads in pinned memory + kernel", x_kernel=round(c / k, 2))
 
 
 def torchac_lines(symbols: np.ndarray, layout: StreamLayout, freqs: np.ndarray, reps: int) -> list[dict[str, Any]]:

@@ -81,6 +81,21 @@ def transcripts(path: str | Path, first: int = 0, count: int | None = None) -> l
     return texts if count is None else texts[:count]
 
 
+def long_transcripts(path: str | Path, first: int, count: int, tokenizer: Any, n_tokens: int) -> list[str]:
+    """``count`` texts of at least ``n_tokens`` tokens where the data has that many: transcripts ``first``, ``first + 1``,
+    ... joined one after another as far as each needs (a 30K-token context of 10K-token LongChat transcripts)."""
+    pool = transcripts(path, first)
+    out, i = [], 0
+    for _ in range(count):
+        parts = [pool[i % len(pool)]]
+        i += 1
+        while len(tokenizer("\n".join(parts))["input_ids"]) < n_tokens and len(parts) < len(pool):
+            parts.append(pool[i % len(pool)])
+            i += 1
+        out.append("\n".join(parts))
+    return out
+
+
 def transcript_ids(tokenizer: Any, texts: list[str], n_tokens: int) -> Iterator[list[int]]:
     """Token ids of each transcript, cut to ``n_tokens`` (skipping shorter ones)."""
     for t in texts:

@@ -221,6 +221,8 @@ class ThrottledStore:
     ``clock`` and ``sleep`` are injectable: a fake pair makes a deterministic simulated link.
     """
 
+    views = False  # reads go through ``get`` (a memory store's ``view`` would skip the link)
+
     def __init__(
         self,
         store: Any,

@@ -1,8 +1,8 @@
 """Warm time to first token of every way to reuse a stored context, on every store and link (issue 15).
 
     python -m benchmarks.warm_path [--quick] [--data F] [--device cpu|cuda] [--out F] [--plot F.png]
-    python -m benchmarks.warm_path --device cuda --model llama-7b-shaped --contexts 7680 \
-        --stores memory redis redis@10gbps        # the GPU target: a 7B-shaped model, timing only
+    python -m benchmarks.warm_path --device cuda --model llama-7b-shaped --contexts 7680 30720 \
+        --stores memory disk emulated@10gbps emulated@25gbps   # the GPU table: a 7B-shaped model, timing only
 
 For contexts of about 3K and 7.5K tokens (held-out LongChat transcripts, a question after
 them), the time from the request to the first generated token of:
@@ -13,7 +13,10 @@ them), the time from the request to the first generated token of:
   plain keys of the same store, fetched with the next chunk's fetch overlapping this chunk's
   conversion, converted into a cache the model extends in place, allocated once and reused by
   every request as the engine reuses its own (the strongest honest version of "keep the KV");
-- ``cachegen-L``: the engine pinned to level L (only L stored, text never chosen);
+- ``fp16-pinned``: the hardware's floor, transformers alone: the context's KV in pinned host memory
+  (plain memory without a GPU), copied to the device, the question prefilled on it (``naive_kv.py``);
+- ``cachegen-L``: the engine pinned to level L (only L stored, text never chosen); ``cachegen-raw``: pinned
+  to the 16-bit raw form;
 - ``cachegen-auto``: the engine as shipped (default stored options, no deadline: the fastest
   option at least as fine as the default level).
 
@@ -24,18 +27,23 @@ nothing written), alternating per context; ``overhead`` is the ratio of their to
 minus one. The contexts share their first tokens (the transcripts' common header), so after the
 first one a storing engine reuses a 64-token partial chunk and prefills the rest after it.
 
-Stores: ``memory``, ``disk`` (diskcache in a temp dir), ``redis`` (a real redis-server on loopback), and the
-same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s (and to 10 Gbit/s, ``redis@10gbps``, when asked: the
-proxy forwards about 8.4 Gbit/s at most on a 2-core box, ``docs/results.md``, so that link is for bigger hosts).
-``--model llama-7b-shaped`` (``benchmarks.common.load``): a Llama of 7B shape with random weights and the reference
-tokenizer, in ``--dtype`` (bfloat16 by default), for timing only: its rows say ``"random_init": true``; its answers
-and any quality mean nothing. Every policy is warmed up (the engine learns its costs and the link) before it is
-timed; a row is the median of ``--reps`` runs, the policies taking turns run by run (a drift of a shared box reaches
-them alike). ``bound_s`` = bytes / link bandwidth (none for local stores) + decoding the levels' symbols at the
-native coder's rANS rate measured here + the question's prefill on the reused KV (measured here): what no
-implementation of that policy could beat. JSON lines: ``{"store", "link_gbps", "context_tokens", "policy",
-"ttft_s", "bytes", "decode_s", "bound_s", ...}``; a summary line per (store, context) gives ``cachegen-auto``'s
-ratio to ``fp16``. ``--plot F.png``: TTFT against context length, a panel per store.
+Stores: ``memory``, ``disk`` (diskcache in a temp dir), ``redis`` (a real redis-server on
+loopback), and the same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s (and to 10 Gbit/s,
+``redis@10gbps``, when asked: the proxy forwards about 8.4 Gbit/s at most on a 2-core box,
+``docs/results.md``, "What the shaped links deliver", so that link is for bigger hosts), and links
+emulated in the process at 0.5, 1, 10, 25 and 100 Gbit/s (``emulated@10gbps``: a memory store behind
+the link clock of ``emulated_link.py``, reads pipelined with decoding; at 0.5 and 1 Gbit/s it can be
+checked against the proxy, ``redis@0.5gbps``/``redis@1gbps``, in the same run). ``--model llama-7b-shaped`` (``benchmarks.common.load``): a Llama of 7B shape
+with random weights and the reference tokenizer, in ``--dtype`` (bfloat16 by default), for timing
+only: its rows say ``"random_init": true``; its answers and any quality mean nothing. Every policy
+is warmed up (the engine learns its costs and the link) before it is timed; a row is the
+median of ``--reps`` runs, the policies taking turns run by run (a drift of a shared box reaches them alike). ``bound_s`` = bytes / link bandwidth (none for local stores) +
+decoding the levels' symbols at the native coder's rANS rate measured here + the question's
+prefill on the reused KV (measured here): what no implementation of that policy could beat.
+JSON lines: ``{"store", "link_gbps", "context_tokens", "policy", "ttft_s", "bytes", "fetch_s", "decode_s",
+"bound_s", ...}`` (the engine's rows: ``options`` chosen per chunk and ``requests``, every timed request's
+figures); a summary line per (store, context) gives ``cachegen-auto``'s ratio to ``fp16``.
+``--plot F.png``: TTFT against context length, a panel per store.
 """
 
 from __future__ import annotations
@@ -50,70 +58,35 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 
-from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, parser, setup_threads, transcripts
+from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, long_transcripts, parser, setup_threads
+from benchmarks.naive_kv import NAIVE, pinned_copy, pinned_ttft
 from benchmarks.plotting import Panels, line_panels
 from cachegen_core.engine import KVEngine, hf
+from cachegen_core.engine.options import exact16
 from cachegen_core.kv import KVCache, empty_tensor
 
 QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
-LINKS = {"redis@1gbps": 1.0, "redis@0.2gbps": 0.2, "redis@10gbps": 10.0}
+LINKS = {"redis@1gbps": 1.0, "redis@0.5gbps": 0.5, "redis@0.2gbps": 0.2, "redis@10gbps": 10.0}
+#: Links emulated in the process (``emulated_link.py``): a memory store behind a link clock, for rates the proxy cannot pace.
+EMULATED = {f"emulated@{g}gbps": float(g) for g in ("0.5", "1", "10", "25", "100")}
 DEFAULT_STORES = ["memory", "disk", "redis", "redis@1gbps", "redis@0.2gbps"]
-POLICIES = ["text", "fp16", "uniform8", "cachegen-auto", *(f"cachegen-{lv}" for lv in range(5))]
+POLICIES = ["text", "fp16", "uniform8", "fp16-pinned", "cachegen-auto", "cachegen-raw", *(f"cachegen-{lv}" for lv in range(5))]
 PLOTTED = {"text": "recompute", "fp16": "fp16", "uniform8": "uniform8", "cachegen-1": "level 1", "cachegen-4": "level 4",
            "cachegen-auto": "cachegen-auto"}  # what a plot draws, and its legend
-
-
-# ------------------------------------------------------------------ the naive formats
-def pack_fp16(kv: KVCache) -> bytes:
-    """Keys then values as fp16, C order (what a user storing "the KV" writes)."""
-    return b"".join(x.to(torch.float16).contiguous().cpu().numpy().tobytes() for x in (kv.keys, kv.values))
-
-
-def unpack_fp16(blob: bytes, out: KVCache) -> None:
-    n = out.keys.numel()
-    x = torch.from_numpy(np.frombuffer(blob, dtype=np.float16, count=2 * n)).to(out.keys.device)  # 16 bits moved, converted there
-    out.keys.copy_(x[:n].view(out.keys.shape))
-    out.values.copy_(x[n:].view(out.values.shape))
-
-
-def pack_uniform8(kv: KVCache) -> bytes:
-    """8-bit asymmetric: keys per channel (over the chunk's tokens), values per token (over head dims);
-    uint8 codes, then fp16 minimum and step."""
-    parts = []
-    for x, dim in ((kv.keys, 2), (kv.values, 3)):
-        x = x.float()
-        lo = x.amin(dim=dim, keepdim=True).half().float()
-        step = ((x.amax(dim=dim, keepdim=True) - lo) / 255).clamp_min(1e-8).half().float()
-        q = torch.round((x - lo) / step).clamp_(0, 255).to(torch.uint8)
-        parts += [t.cpu().numpy().tobytes() for t in (q, lo.half(), step.half())]
-    return b"".join(parts)
-
-
-def unpack_uniform8(blob: bytes, out: KVCache) -> None:
-    layers, heads, tokens, dim = out.shape
-    at = 0
-    for x, pshape in ((out.keys, (layers, heads, 1, dim)), (out.values, (layers, heads, tokens, 1))):
-        n, m = x.numel(), int(np.prod(pshape))
-        q = torch.from_numpy(np.frombuffer(blob, np.uint8, n, at)).view(x.shape).to(x.device)  # 8 bits moved, not 32
-        lo = torch.from_numpy(np.frombuffer(blob, np.float16, m, at + n)).view(pshape).to(x.device)
-        step = torch.from_numpy(np.frombuffer(blob, np.float16, m, at + n + 2 * m)).view(pshape).to(x.device)
-        x.copy_(q.float() * step.float() + lo.float())
-        at += n + 4 * m
-
-
-NAIVE: dict[str, tuple[Callable[[KVCache], bytes], Callable[[bytes, KVCache], None]]] = {
-    "fp16": (pack_fp16, unpack_fp16),
-    "uniform8": (pack_uniform8, unpack_uniform8),
-}
 
 
 # ------------------------------------------------------------------ stores and links
 def open_store(kind: str, redis_url: str | None) -> contextlib.AbstractContextManager[Any]:
     """An empty store of ``kind``; Redis kinds (the server itself or a shaped link to it) at ``redis_url``.
-    A shaped link stands for a server on another machine: not ``same_host``, though its proxy listens on loopback."""
+    A shaped link stands for a server on another machine: not ``same_host``, though its proxy listens on loopback.
+    An emulated link: a memory store behind a link clock (``emulated_link.LinkStore``), remote to the engine."""
+    if kind in EMULATED:
+        from benchmarks.emulated_link import LinkStore  # noqa: PLC0415
+        from cachegen_core.stores import MemoryStore  # noqa: PLC0415
+
+        return LinkStore(MemoryStore(namespace=f"warm-{kind}:"), EMULATED[kind])
     assert redis_url is not None or not kind.startswith("redis")
     remote = {"same_host": False} if kind in LINKS else {}
     return fresh_store(kind, redis_url, socket_timeout=600.0, namespace=f"warm-{kind}:", **remote)
@@ -151,6 +124,7 @@ class Context:
         self.kv = hf.prefill(model, self.ids[: self.covered])
         self.gen = {"max_new_tokens": 1}
         self._buffer: KVCache | None = None
+        self.host: list[tuple[torch.Tensor, torch.Tensor]] = []  # the KV per layer in pinned host memory (fp16-pinned)
 
     def buffer(self) -> KVCache:
         """The context's cache, allocated once and reused by every request, as the engine reuses its buffers
@@ -192,9 +166,9 @@ class Context:
         out = hf.generate(self.model, self.tok, self.ids, buf, t0, self.gen, filled=self.covered)
         return {"ttft_s": out.ttft_s or 0.0, "bytes": got, "decode_s": convert_s}
 
-    def store_naive(self, store: Any, prefix: str) -> None:
+    def store_naive(self, store: Any, prefix: str, formats: list[str]) -> None:
         for fmt, (pack, _) in NAIVE.items():
-            for i in range(self.n_chunks):
+            for i in range(self.n_chunks if fmt in formats else 0):
                 store.put(f"{prefix}{fmt}-{i}", pack(self.kv.slice(i * self.chunk_tokens, (i + 1) * self.chunk_tokens)))
 
 
@@ -212,7 +186,7 @@ def engine_ttft(engine: KVEngine, ids: list[int]) -> dict[str, Any]:
     _, info = engine.generate(ids, max_new_tokens=1)
     if info.errors:
         raise RuntimeError(f"the engine reported errors: {info.errors}")
-    return {"ttft_s": info.ttft_s, "bytes": info.bytes_fetched, "decode_s": info.decode_s,
+    return {"ttft_s": info.ttft_s, "bytes": info.bytes_fetched, "fetch_s": info.fetch_s, "decode_s": info.decode_s,
             "cached_tokens": info.cached_tokens, "options": list(info.levels)}  # fmt: skip
 
 
@@ -233,7 +207,7 @@ def arguments() -> argparse.ArgumentParser:
                     help="the model's dtype (default: as saved; bfloat16 for a shaped model)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[3072, 7680], help="context tokens (multiples of the chunk)")
     ap.add_argument("--transcripts", type=int, default=2, help=f"held-out transcripts ({HELD_OUT}, {HELD_OUT + 1}, ...) per context length")
-    ap.add_argument("--stores", nargs="+", default=DEFAULT_STORES, choices=["memory", "disk", "redis", *LINKS])
+    ap.add_argument("--stores", nargs="+", default=DEFAULT_STORES, choices=["memory", "disk", "redis", *LINKS, *EMULATED])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--miss-contexts", type=int, default=4, help="distinct contexts for the miss-path rows (0: none)")
@@ -254,19 +228,19 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
         args.contexts, args.transcripts, args.reps, args.miss_contexts = [3072], 1, 1, 2
     setup_threads()
     model, tok = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    texts = transcripts(args.data, HELD_OUT, args.transcripts)
     t_start = time.perf_counter()
     with redis_links(args.stores) as urls:
         for tokens in args.contexts:
+            texts = long_transcripts(args.data, HELD_OUT, args.transcripts, tok, tokens)  # joined past one transcript's length
             contexts = [Context(model, tok, t, tokens, args.chunk_tokens) for t in texts]
             for store_kind in args.stores:
-                link = LINKS.get(store_kind)
+                link = LINKS.get(store_kind, EMULATED.get(store_kind))
                 rows = _measure_store(args, model, tok, contexts, store_kind, urls.get(store_kind, urls.get("redis")), link)
                 for r in rows:
                     out.emit(r)
                 _summary(rows, store_kind, tokens, out)
                 if args.miss_contexts and store_kind in ("memory", "disk", "redis"):
-                    miss_texts = transcripts(args.data, HELD_OUT + 2, args.miss_contexts)
+                    miss_texts = long_transcripts(args.data, HELD_OUT + 2, args.miss_contexts, tok, tokens)
                     out.emit(miss_path(args, model, tok, store_kind, urls.get(store_kind), tokens, miss_texts))
                 # once each store's engines and kept buffers stayed alive (20 GB at 7.5K by the disk store, the page
                 # cache evicted): they are closed now, and anything else left in a cycle is collected here
@@ -280,25 +254,31 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
     from cachegen_core.engine import KVEngine  # noqa: PLC0415
 
     results: dict[str, list[dict[str, Any]]] = {}
+    requests: dict[str, list[dict[str, Any]]] = {}  # every timed request, per policy
     bounds: dict[str, list[float]] = {}
     with open_store(kind, url) as store:
         engines = {"cachegen-auto": settled(KVEngine.from_pretrained(model, tokenizer=tok, store=store, chunk_tokens=args.chunk_tokens))}
         codec = engines["cachegen-auto"].codec
-        for lv in (lv for lv in codec.levels if f"cachegen-{lv}" in args.policies):
-            engines[f"cachegen-{lv}"] = KVEngine(model, tok, codec, store, chunk_tokens=args.chunk_tokens, level=lv,
-                                                 store_options=[lv], allow_text=False)  # fmt: skip
+        pinned = {f"cachegen-{lv}": lv for lv in codec.levels} | {"cachegen-raw": exact16(hf.model_dtype(model))}
+        for name, lv in pinned.items():
+            if name in args.policies:
+                engines[name] = KVEngine(model, tok, codec, store, chunk_tokens=args.chunk_tokens, level=lv, store_options=[lv],
+                                         allow_text=False)  # fmt: skip
         rate = rans_rate(engines["cachegen-auto"], contexts[0].kv.slice(0, args.chunk_tokens))
         for ci, ctx in enumerate(contexts):
             prefix = f"ctx{ci}-"
-            ctx.store_naive(store, prefix)
+            ctx.store_naive(store, prefix, args.policies)
             for e in engines.values():
                 e.generate(ctx.ids, max_new_tokens=1)  # cold: computes and stores
                 e.flush()
             question_s = statistics.median(ctx.question_ttft() for _ in range(max(1, args.reps)))
+            if "fp16-pinned" in args.policies and not ctx.host:
+                ctx.host = pinned_copy(ctx.kv)  # once per context (pinning 4 GB takes seconds), shared by the stores
             wire = (lambda n: n / (link * 1e9 / 8)) if link else (lambda n: 0.0)  # noqa: E731
             policies: dict[str, Callable[[], dict[str, Any]]] = {
                 "text": lambda ctx=ctx: {"ttft_s": ctx.text_ttft(), "bytes": 0, "decode_s": 0.0},
                 **{fmt: (lambda fmt=fmt, ctx=ctx, prefix=prefix: ctx.naive_ttft(store, fmt, prefix)) for fmt in NAIVE},
+                "fp16-pinned": lambda ctx=ctx: pinned_ttft(model, ctx.host, ctx.ids[ctx.covered :]),
                 **{name: (lambda e=e, ctx=ctx: engine_ttft(e, ctx.ids)) for name, e in engines.items()},
             }
             policies = {name: run for name, run in policies.items() if name in args.policies}
@@ -311,6 +291,7 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
                 for name, run in policies.items():
                     reps[name].append(run())
             for name, runs in reps.items():
+                requests.setdefault(name, []).extend(runs)
                 mid = sorted(runs, key=lambda r: r["ttft_s"])[len(runs) // 2]
                 results.setdefault(name, []).append(mid)
                 symbols = ctx.kv.num_elements if name.startswith("cachegen-") and mid.get("options") and all(
@@ -325,12 +306,14 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
             "store": kind, "link_gbps": link, "context_tokens": contexts[0].covered, "prompt_tokens": len(contexts[0].ids),
             "policy": name, "ttft_s": round(statistics.mean(r["ttft_s"] for r in rs), 4),
             "bytes": int(statistics.mean(r["bytes"] for r in rs)), "decode_s": round(statistics.mean(r["decode_s"] for r in rs), 4),
+            "fetch_s": round(statistics.mean(r.get("fetch_s", 0.0) for r in rs), 4),
             "bound_s": round(statistics.mean(bounds[name]), 4), "transcripts": len(rs), "reps": args.reps,
             "device": str(model.device), "rans_msym_s": round(rate / 1e6, 1),
             "model": args.model, "dtype": str(hf.model_dtype(model)).removeprefix("torch."), "random_init": is_shaped(args.model),
         }  # fmt: skip
         if any("options" in r for r in rs):
             row["options"] = [r.get("options") for r in rs]
+            row["requests"] = [{k: r[k] for k in ("ttft_s", "bytes", "fetch_s", "decode_s", "options")} for r in requests[name]]
         rows.append(row)
     return rows
 
@@ -370,7 +353,7 @@ def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, token
         storing.close()
         plain.close()
     cold, base = sum(times["storing"]), sum(times["plain"])
-    return {"store": kind, "link_gbps": LINKS.get(kind), "context_tokens": tokens, "policy": "miss-path", "contexts": len(prompts),
+    return {"store": kind, "link_gbps": LINKS.get(kind, EMULATED.get(kind)), "context_tokens": tokens, "policy": "miss-path", "contexts": len(prompts),
             "storing_s": round(cold, 3), "plain_s": round(base, 3), "overhead": round(cold / base - 1, 4),
             "per_request_storing_s": [round(t, 3) for t in times["storing"]], "per_request_plain_s": [round(t, 3) for t in times["plain"]]}  # fmt: skip
 

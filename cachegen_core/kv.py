@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .errors import CacheGenError
+from .pinned import hold_until, parallel_copy, pinned_tensor
 
 
 class KVShapeError(CacheGenError, ValueError):
@@ -85,32 +86,57 @@ class _Staging(threading.local):
 
 _staging = _Staging()
 _STAGE_ALIGN = 16
+#: An array in pinned memory from this size on goes to a GPU straight from there (smaller ones are staged with the rest).
+_DIRECT_BYTES = 1 << 16
 
 
 def upload(*arrays: np.ndarray, device: torch.device | str) -> list[torch.Tensor]:
     """The bytes of each array (C-contiguous) as a uint8 tensor on ``device``, each starting 16-byte aligned.
 
-    To a CUDA device they go together, asynchronously on the current stream, through this thread's pinned
-    staging buffer (reused once that copy is done): a copy from memory that is not pinned would wait for it
-    to be staged by the driver. Elsewhere each is a plain copy (its own, writable memory).
+    To a CUDA device they go asynchronously on the current stream: an array that lies in pinned memory
+    (``pinned.py``: a memory store's value, a read buffer) in its own copy straight from there, its block held
+    until that copy is done; the others together through this thread's pinned staging buffer (filled by
+    several threads, ``pinned.parallel_copy``; reused once that copy is done): a copy from memory that is not
+    pinned would wait for it to be staged by the driver. Elsewhere each is a plain copy (its own, writable memory).
     """
     dev = torch.device(device)
     flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
     if dev.type != "cuda":
         return [torch.from_numpy(a.copy()).to(dev) for a in flat]
-    starts = np.cumsum([0] + [-(-a.size // _STAGE_ALIGN) * _STAGE_ALIGN for a in flat])
+    direct = {i: t for i, a in enumerate(flat) if a.size >= _DIRECT_BYTES and (t := pinned_tensor(a)) is not None}
+    staged = [a if i not in direct else a[:0] for i, a in enumerate(flat)]
+    starts = np.cumsum([0] + [-(-a.size // _STAGE_ALIGN) * _STAGE_ALIGN for a in staged])
     st = _staging
     if st.copied is not None:
         st.copied.synchronize()
     if st.buffer is None or st.buffer.numel() < starts[-1]:
         st.buffer = torch.empty(max(int(starts[-1]), 1 << 20), dtype=torch.uint8, pin_memory=True)
     host = st.buffer.numpy()
-    for a, at in zip(flat, starts):
-        host[at : at + a.size] = a
+    for a, at in zip(staged, starts):
+        parallel_copy(host[at : at + a.size], a)
+    stream = torch.cuda.current_stream(dev)
     whole = st.buffer[: int(starts[-1])].to(dev, non_blocking=True)
-    st.copied = torch.cuda.Event()
-    st.copied.record(torch.cuda.current_stream(dev))
-    return [whole[at : at + a.size] for a, at in zip(flat, starts)]
+    st.copied = torch.cuda.Event()  # the staging buffer is reused once this copy is done (not the direct ones)
+    st.copied.record(stream)
+    out = [whole[at : at + a.size] for a, at in zip(staged, starts)]
+    for i, t in direct.items():
+        out[i] = t.to(dev, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+        hold_until(flat[i], done)
+    return out
+
+
+_side_streams: dict[str, Any] = {}
+
+
+def side_stream(device: torch.device | str) -> Any:
+    """This process's second CUDA stream on ``device``, for copies that run beside the current stream's work."""
+    key = str(torch.device(device))
+    stream = _side_streams.get(key)
+    if stream is None:
+        stream = _side_streams.setdefault(key, torch.cuda.Stream(device=torch.device(device)))
+    return stream
 
 
 #: The attribute of a ``to_host`` copy's keys tensor holding the CUDA event its copy ends with. Not a dict keyed by
@@ -129,8 +155,14 @@ def to_host(kv: KVCache) -> KVCache:
     host.values.copy_(kv.values, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(kv.keys.device))
-    setattr(host.keys, _COPY_EVENT, done)
-    return host
+    return copy_pending(host, done)
+
+
+def copy_pending(kv: KVCache, event: Any) -> KVCache:
+    """``kv`` (in host memory), marked as the target of a copy that ends with ``event``: see ``host_ready``."""
+    if event is not None:
+        setattr(kv.keys, _COPY_EVENT, event)
+    return kv
 
 
 def host_ready(kv: KVCache) -> KVCache:

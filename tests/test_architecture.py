@@ -14,7 +14,7 @@ MAX_LINES = 400
 #: top-level module or subpackage.
 LAYERS = [
     {"errors", "paths", "hfcompat"},
-    {"kv", "models"},
+    {"kv", "models", "pinned"},
     {"keys"},
     {"coders"},
     {"codec"},

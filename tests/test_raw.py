@@ -42,6 +42,44 @@ def test_every_byte_flip_and_truncation_is_a_format_error(tiny_kv):
             rc.decode(blob[:n], "raw")
 
 
+def test_payload_checks_left_to_decode_still_reject_every_corruption(tiny_kv):
+    """``check(payloads=False)`` (a GPU's fetch: the checksums run beside the copy) checks lengths and header only;
+    decoding then checks the payloads, once: a flipped payload byte fails there, a good blob round-trips exactly."""
+    rc = RawCodec("fp")
+    blob = rc.encode(tiny_kv.slice(0, 5), "lossless")
+    checked = rc.check(blob, "lossless", payloads=False)
+    assert checked.pending is not None
+    assert torch.equal(rc.decode(checked, "lossless").keys, tiny_kv.keys[:, :, :5])
+    assert checked.pending.bad is None  # checked, and not again on the next decode of the same blob
+    bad = bytearray(blob)
+    bad[-3] ^= 0x01  # the last payload's bytes: no header, table or length changes
+    late = rc.check(bytes(bad), "lossless", payloads=False)  # passes: its checksums are not read yet
+    out = KVCache(torch.zeros(tiny_kv.slice(0, 5).shape), torch.zeros(tiny_kv.slice(0, 5).shape))
+    with pytest.raises(CacheGenFormatError, match="checksum"):
+        rc.decode(late, "lossless", out=out)
+    assert not out.keys.any() and not out.values.any()  # nothing of the bad blob was written
+    with pytest.raises(CacheGenFormatError, match="checksum"):
+        rc.check(bytes(bad), "lossless")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("option", ["raw", "lossless"])
+def test_a_staged_blob_is_byte_for_byte_the_encoded_one(tiny_kv, dtype, option):
+    """``stage`` (the GPU's store path: payloads copied straight into one host buffer, the frame written before them
+    afterwards) gives exactly ``encode``'s bytes, in plain memory and in a block of an arena."""
+    from cachegen_core.pinned import HostArena
+
+    kv = KVCache(tiny_kv.keys.to(dtype), tiny_kv.values.to(dtype)).slice(3, 40)  # a strided slice, as of a prompt's buffer
+    rc = RawCodec("fp")
+    arena = HostArena(1 << 22, slab_bytes=1 << 22, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+    for alloc in (None, arena.alloc):
+        staged = rc.stage(kv, option, alloc)
+        assert torch.equal(staged.ready().keys.float(), kv.keys.to(staged.kv.dtype).float())
+        assert bytes(staged.finish()) == rc.encode(kv, option)
+        assert staged.finish() is staged.finish()  # made once
+    assert arena.pinned_bytes > 0
+
+
 def test_foreign_or_mislabelled_raw_blobs_are_rejected(tiny_kv):
     blob = RawCodec("fp-a").encode(tiny_kv, "raw")
     with pytest.raises(CacheGenFormatError, match="another model"):

@@ -317,3 +317,23 @@ def test_a_device_decoder_that_fails_falls_back_to_the_cpu_once_and_says_so(on_g
     assert text == again == want and info.decode_device == info2.decode_device == "cpu"
     assert any("does not compile" in e for e in info.errors) and not info2.errors
     assert caplog.text.count("decoding on the CPU from now on") == 1
+
+
+def test_a_blobs_substreams_go_to_the_device_without_being_joined():
+    """Payloads that follow one another in one buffer (a blob's substreams) are sent as one view of it, not joined
+    into fresh memory; any others are joined, in order."""
+    from cachegen_core.coders.triton_decoder import _joined
+
+    blob = bytes(range(200))
+    mv = memoryview(blob)
+    parts = [mv[10:30], mv[30:31], mv[31:90]]
+    data, offsets = _joined(parts, 3)
+    assert np.shares_memory(data, np.frombuffer(blob, np.uint8)) and data.tobytes() == blob[10:90]
+    assert offsets.tolist() == [0, 20, 21, 80]
+    shuffled = [mv[30:31], mv[10:30]]
+    data, _ = _joined(shuffled, 2)
+    assert not np.shares_memory(data, np.frombuffer(blob, np.uint8)) and data.tobytes() == blob[30:31] + blob[10:30]
+    data, _ = _joined([b"ab", b"cd"], 2)
+    assert data.tobytes() == b"abcd"
+    with pytest.raises(CoderError):
+        _joined(parts, 4)

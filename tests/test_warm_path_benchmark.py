@@ -56,3 +56,19 @@ def test_warm_path_times_only_the_policies_asked(tmp_path):
     assert (tmp_path / "warm.png").read_bytes().startswith(b"\x89PNG")  # the rows it timed, drawn
     assert [r["options"] for r in rows if r.get("policy") == "cachegen-1"] == [[[1, 1]]]  # pinned to its level
     assert [r["summary"] for r in rows if "summary" in r] == ["auto_vs_fp16"]
+
+
+def test_warm_path_over_an_emulated_link_with_the_pinned_floor_and_the_raw_engine(tmp_path):
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"prompt": words(200 + i, 700), "label": ["x"]}) + "\n" for i in range(14)))
+    out = tmp_path / "warm.jsonl"
+    warm_path.main(["--model", SHAPE, "--data", str(data), "--contexts", "512", "--chunk-tokens", "256", "--stores",
+                    "emulated@100gbps", "--transcripts", "1", "--reps", "1", "--miss-contexts", "0", "--policies", "fp16-pinned",
+                    "cachegen-raw", "cachegen-auto", "--out", str(out)])  # fmt: skip
+    rows = {r["policy"]: r for r in map(json.loads, open(out)) if "policy" in r}
+    assert set(rows) == {"fp16-pinned", "cachegen-raw", "cachegen-auto"}
+    assert all(r["store"] == "emulated@100gbps" and r["link_gbps"] == 100.0 for r in rows.values())
+    assert rows["fp16-pinned"]["bytes"] == 2 * 2 * 2 * 2 * 16 * 512  # the context's bf16 KV, copied whole
+    raw = rows["cachegen-raw"]
+    assert raw["options"] == [["lossless", "lossless"]] and raw["fetch_s"] > 0 and raw["bytes"] > 2 * 2 * 2 * 2 * 16 * 512
+    assert [set(q) for q in raw["requests"]] == [{"ttft_s", "bytes", "fetch_s", "decode_s", "options"}]

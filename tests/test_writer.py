@@ -268,3 +268,70 @@ def test_a_store_that_holds_the_very_objects_gets_the_first_stage_before_the_req
     e.generate(prompt, max_new_tokens=1)
     assert len(e.writer.hot) == 0 and all(store.get(blob_key(c.key, "raw")) is not None for c in e.chunks(prompt))
     e.flush(30)
+
+
+class GatedStore(MemoryStore):
+    """Every write waits for ``gate``, and the keys are recorded in the order they were written."""
+
+    def __init__(self) -> None:
+        super().__init__(pinned=False)
+        self.gate = threading.Event()
+        self.order: list[str] = []
+
+    def put_many(self, items) -> None:
+        items = list(items.items() if isinstance(items, dict) else items)
+        self.gate.wait(30)
+        self.order += [k for k, _ in items]
+        super().put_many(items)
+
+
+def test_staged_raw_forms_leave_the_request_at_once_and_are_written_before_any_level(tiny_llama, tiny_tokenizer):
+    """A GPU's miss path on the CPU (``stage_raw=True``): the request writes nothing itself; the worker finishes every
+    staged raw form and writes it before any level, the blobs byte for byte those ``encode`` writes, and the next
+    request answers as without a cache."""
+    store = GatedStore()
+    opts = {"chunk_tokens": CHUNK, "level": "lossless", "store_options": ["lossless", 1]}  # answers exactly when warm
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, background=True, **opts)
+    e.writer.stage_raw = True
+    prompt = words(31, 4 * CHUNK + 3)
+    cold, info = e.generate(prompt, max_new_tokens=6)
+    assert info.chunks_queued == 4 and store.order == [] and len(store) == 0  # the request returned with nothing written
+    store.gate.set()
+    assert e.flush(timeout=60)
+    raw = e.store_options[0]
+    blobs = [store.order.index(blob_key(c.key, raw)) for c in e.chunks(prompt)]
+    levels = [store.order.index(blob_key(c.key, 1)) for c in e.chunks(prompt)]
+    assert max(blobs) < min(levels)
+    plain = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(pinned=False), background=False, **opts)
+    plain.generate(prompt, max_new_tokens=6)
+    for c in e.chunks(prompt):
+        assert store.get(blob_key(c.key, raw)) == plain.store.get(blob_key(c.key, raw))
+        assert store.get(blob_key(c.key, 1)) == plain.store.get(blob_key(c.key, 1))  # levels coded from the staged copy
+    warm, info = e.generate(prompt, max_new_tokens=6)
+    assert info.cached_tokens == 4 * CHUNK and info.levels == ["lossless"] * 4 and warm == cold
+
+
+def test_staged_raw_forms_of_a_disk_store_are_read_from_the_hot_tier_until_written(tiny_llama, tiny_tokenizer, tmp_path):
+    from cachegen_core.stores.disk import DiskCacheStore
+
+    gate = threading.Event()
+
+    class SlowDisk(DiskCacheStore):
+        def put_many(self, items):
+            gate.wait(30)
+            super().put_many(items)
+
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=SlowDisk(tmp_path / "kv"), chunk_tokens=CHUNK, level="lossless",
+                 store_options=["lossless", 1], background=True, allow_text=False)  # fmt: skip
+    e.writer.stage_raw = True
+    prompt = words(32, 3 * CHUNK + 3)
+    cold, _ = e.generate(prompt, max_new_tokens=6)
+    deadline = time.monotonic() + 30
+    while len(e.writer.hot) < 1 and time.monotonic() < deadline:  # the worker finished the first chunk's raw form
+        time.sleep(0.01)
+    staged = [v for k, v in e.writer.hot._values.items() if k.endswith("-Llossless")]
+    assert staged and all(isinstance(v, memoryview) for v in staged)  # blobs framed around the staged copy, not encoded
+    warm, info = e.generate(prompt, max_new_tokens=6)
+    assert info.cached_tokens >= CHUNK and warm == cold  # found in the hot tier, the store still blocked
+    gate.set()
+    assert e.flush(timeout=60)

@@ -25,3 +25,5 @@ model=$("$PY" -c 'from cachegen_core.models import resolve_model; print(resolve_
 cp "$model"/tokenizer.json "$model"/tokenizer_config.json "$model"/config.json .gpu/tok/
 cp ../shared/data/longchat_dev.jsonl .gpu/
 du -sh .whl .gpu
+echo "check run.sh's Python steps here before a GPU is lent (CPU, a tiny shaped model, a few minutes):"
+echo "  OUT=/tmp/out-dry PY=$PY DATA=../shared/data/longchat_dev.jsonl bash benchmarks/gpu/run.sh --dry-run"

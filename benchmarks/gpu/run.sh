@@ -1,24 +1,61 @@
 #!/bin/bash
-# On a lent GPU machine (the device tool: `run` with carry [".gpu", ".whl"], after benchmarks/gpu/prepare.sh):
-# the GPU decoder's tests, the Triton coder's throughput, the transform-group A/B and the 7B-shaped warm
-# path, each under its own timeout; logs and JSON lines under $OUT. About 6 minutes on an H100.
+# Issue 46's whole table on a lent GPU machine, in about 8 device-minutes: the device tool's `run` with carry
+# [".gpu", ".whl"] after benchmarks/gpu/prepare.sh. The steps' timeouts add up to 580 s (the tool's limit is 600 s a
+# call): one call `bash benchmarks/gpu/run.sh` (timeout_s 600), or two, `... run.sh warm8k warm32k` (340 s) and
+# `... run.sh fresh coder tests` (240 s), each with OUT set apart or the second's log appended to the first's.
+#
+#   bash benchmarks/gpu/run.sh [--dry-run] [STEP ...]     STEP: warm8k warm32k fresh coder tests (default: these, in this
+#                                                         order) or groups (the transform-group A/B, 80 s: asked alone)
+#
+# A 7B-shaped bf16 Llama (random weights: timing only) at 7,680 and 30,720 tokens: recompute (text), fp16 naive over
+# the store, the hardware's floor (fp16-pinned: pinned copy + question prefill, transformers alone), the engine
+# pinned to raw and to level 1, the engine as shipped; memory store, disk store, links emulated at 10 and 25 Gbit/s;
+# per request the choices, bytes, fetch and decode seconds (warm_path's `requests`); the miss overhead (miss-path
+# rows); a request 2 s after a cold answer and a new model's first request (fresh_engine); the decoder's kernel and
+# call (coder_throughput); then the GPU tests. Each step runs under its own `timeout`; rows go to $OUT as they come
+# (JSON lines, one file per step) with each step's log; a summary of every file's tail ends log.txt.
+# --dry-run: the same Python steps on the CPU with a tiny shaped model and short contexts (no wheels installed, the
+# GPU-only tests skip): run it here before a GPU is lent.
 cd "$(dirname "$0")/../.."
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+STEPS=${*:-warm8k warm32k fresh coder tests}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
-export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.gpu/bin:$PATH CACHEGEN_TOKENIZER_DIR=$PWD/.gpu/tok CACHEGEN_CACHE_DIR=/tmp/cgcache \
-       CACHEGEN_NATIVE_LIB=$PWD/.gpu/_native.so
+if [ $DRY = 1 ]; then  # this machine's own cache (the reference tokenizer converted there already)
+  PY=${PY:-python3}; DEV=cpu; MODEL="llama-shaped:layers=2,hidden=128,heads=4,kv_heads=2,intermediate=256"
+  CTX8=3072; CTX32=6144; REPS8=1; REPS32=1; DATA=${DATA:-../shared/data/longchat_dev.jsonl}; THREADS=1
+  CODER=(--quick --device cpu); TESTS=(tests/test_gpu_paths.py tests/test_pinned.py)
+else
+  PY=${PY:-python3}; DEV=cuda; MODEL=llama-7b-shaped; CTX8=7680; CTX32=30720; REPS8=3; REPS32=2
+  DATA=.gpu/longchat_dev.jsonl; THREADS=16; CODER=(--device cuda)
+  TESTS=(tests/test_gpu_paths.py tests/test_triton_decoder.py tests/test_pinned_paths.py tests/test_raw.py)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.gpu/bin:$PATH CACHEGEN_TOKENIZER_DIR=$PWD/.gpu/tok CACHEGEN_NATIVE_LIB=$PWD/.gpu/_native.so \
+         CACHEGEN_CACHE_DIR=${CACHEGEN_CACHE_DIR:-/tmp/cgcache}  # a fresh one: no profile of the shaped model in it
+fi
 L=$OUT/log.txt
-step() { local t=$1 name=$2; shift 2; local s=$SECONDS; timeout "$t" "$@" >> "$L.$name" 2>&1; local rc=$?
+step() { local t=$1 name=$2; shift 2; local s=$SECONDS; timeout "$t" "$@" >> "$OUT/$name.log" 2>&1; local rc=$?
          echo "=== $name rc=$rc $((SECONDS - s)) s" | tee -a "$L"; }
-{ date; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; lscpu | grep -E "Model name|^CPU\(s\)"
-  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-  python3 -c "from cachegen_core.coders.native_lib import load_error; from cachegen_core.coders.triton_decoder import unavailable_reason; print('native:', load_error(), 'triton:', unavailable_reason('cuda'))"
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null; lscpu | grep -E "Model name|^CPU\(s\)"
+  "$PY" -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
+  "$PY" -c "from cachegen_core.coders.native_lib import load_error; from cachegen_core.coders.triton_decoder import unavailable_reason; print('native:', load_error(), 'triton:', unavailable_reason('cuda'))"
 } >> "$L" 2>&1
-step 100 tests python3 -m pytest -q -p no:cacheprovider tests/test_triton_decoder.py
-step 80 coder python3 -m benchmarks.coder_throughput --device cuda --no-real --no-torchac --cpu-threads 16 --out "$OUT/coder_triton_7b.jsonl"
-step 80 groups python3 -m benchmarks.transform_groups --device cuda --out "$OUT/transform_groups.jsonl"
-step 280 warm python3 -m benchmarks.warm_path --device cuda --model llama-7b-shaped --contexts 7680 --transcripts 1 --reps 3 \
-     --miss-contexts 0 --stores memory redis@10gbps --data .gpu/longchat_dev.jsonl --out "$OUT/warm_path_7b.jsonl"
-for f in "$L".*; do echo "--- $f"; tail -c 1500 "$f"; done
-cat "$L".* >> "$L"; rm -f "$L".*
+# the engine's profile fit off in the warm path (it would share the device with every row): fresh_engine times it
+WARM=(env CACHEGEN_AUTO_PROFILE=0 "$PY" -m benchmarks.warm_path --device "$DEV" --model "$MODEL" --transcripts 1 --data "$DATA"
+      --policies text fp16 fp16-pinned cachegen-auto cachegen-raw cachegen-1 --stores memory disk emulated@10gbps emulated@25gbps)
+for s in $STEPS; do
+  case $s in
+    warm8k) step 110 warm8k "${WARM[@]}" --contexts $CTX8 --reps $REPS8 --miss-contexts 2 --out "$OUT/warm_path_8k.jsonl" ;;
+    warm32k) step 230 warm32k "${WARM[@]}" --contexts $CTX32 --reps $REPS32 --miss-contexts 2 --out "$OUT/warm_path_32k.jsonl" ;;
+    fresh) step 80 fresh "$PY" -m benchmarks.fresh_engine --device "$DEV" --model "$MODEL" --contexts $CTX8 $CTX32 --requests 4 \
+             --data "$DATA" --out "$OUT/fresh_engine.jsonl" ;;
+    coder) step 70 coder "$PY" -m benchmarks.coder_throughput "${CODER[@]}" --no-real --no-torchac --cpu-threads "" \
+             --out "$OUT/coder_triton_7b.jsonl" ;;
+    tests) step 90 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
+    groups) step 80 groups "$PY" -m benchmarks.transform_groups --device "$DEV" --out "$OUT/transform_groups.jsonl" ;;
+    *) echo "unknown step $s" | tee -a "$L" ;;
+  esac
+done
+for f in "$OUT"/*.log; do echo "--- $f"; tail -c 1200 "$f"; done >> "$L"
+tail -c 4000 "$L"

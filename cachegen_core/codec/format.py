@@ -63,6 +63,8 @@ class Container:
     header: dict[str, Any]
     sections: dict[str, np.ndarray]
     streams: list[bytes] | list[memoryview]
+    #: The substreams' XXH3-64 digests, when ``unpack`` was asked not to check them (``first_bad_stream`` does).
+    digests: tuple[int, ...] = ()
 
 
 def _crc(data: bytes | memoryview) -> int:
@@ -77,6 +79,12 @@ def _payload_hash(data: bytes | memoryview) -> int:
 
 def pack(header: Mapping[str, Any], sections: Mapping[str, np.ndarray], streams: Sequence[bytes]) -> bytes:
     """Serialise a header dict, named arrays and substream payloads into one blob."""
+    return b"".join([frame(header, sections, streams), *streams])
+
+
+def frame(header: Mapping[str, Any], sections: Mapping[str, np.ndarray], streams: Sequence[Any]) -> bytes:
+    """Everything of ``pack``'s blob before its substream payloads (preamble, header, sections, stream table):
+    a blob is ``frame(...)`` followed by the payloads, wherever they already are (``raw.RawCodec.stage``)."""
     sec_meta, sec_bytes = [], []
     for name, arr in sections.items():
         dtype = np.dtype(arr.dtype).name
@@ -85,12 +93,19 @@ def pack(header: Mapping[str, Any], sections: Mapping[str, np.ndarray], streams:
         raw = np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()
         sec_meta.append({"name": name, "dtype": dtype, "shape": list(arr.shape), "xxh3": _payload_hash(raw)})
         sec_bytes.append(raw)
-    table = b"".join(_STREAM_ENTRY.pack(len(s), _payload_hash(s)) for s in streams)
+    table = b"".join(_STREAM_ENTRY.pack(len(s), d) for s, d in zip(streams, _digests(streams)))
     full = dict(header)
     full.update({"sections": sec_meta, "n_streams": len(streams), "streams_crc32": _crc(table)})
     head = json.dumps(full, sort_keys=True, separators=(",", ":")).encode()
     pre = _PREAMBLE.pack(MAGIC, VERSION, 0, len(head), _crc(head))
-    return b"".join([pre, head, *sec_bytes, table, *streams])
+    return b"".join([pre, head, *sec_bytes, table])
+
+
+def frame_bound(header: Mapping[str, Any], n_streams: int) -> int:
+    """The most bytes ``frame`` takes for ``header``, no sections and ``n_streams`` substreams (the stream table's
+    CRC-32 printed at its widest)."""
+    full = {**header, "sections": [], "n_streams": n_streams, "streams_crc32": 0xFFFFFFFF}
+    return _PREAMBLE.size + len(json.dumps(full, sort_keys=True, separators=(",", ":")).encode()) + n_streams * _STREAM_ENTRY.size
 
 
 def read_header(blob: bytes | memoryview, limits: Limits = Limits()) -> dict[str, Any]:
@@ -141,11 +156,13 @@ def _int_field(header: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
     return v
 
 
-def unpack(blob: bytes | memoryview, limits: Limits = Limits(), *, views: bool = False) -> Container:
+def unpack(blob: bytes | memoryview, limits: Limits = Limits(), *, views: bool = False, hashes: bool = True) -> Container:
     """Parse and verify a whole blob: header, every section and every substream checksum.
 
     ``views``: the substreams are memoryviews into ``blob`` instead of copies (for large
-    payloads read once; ``blob`` must then stay unchanged while they are used)."""
+    payloads read once; ``blob`` must then stay unchanged while they are used). ``hashes=False``
+    (with ``views``): every length and the stream table's CRC are checked, the substreams' own
+    checksums are left to the caller (``first_bad_stream``), e.g. beside their copy to a GPU."""
     mv = memoryview(blob)
     header, pos = _read_header(mv, limits)
     n = len(mv)
@@ -194,10 +211,21 @@ def unpack(blob: bytes | memoryview, limits: Limits = Limits(), *, views: bool =
     for length, _ in entries:
         chunks.append(mv[pos : pos + length])
         pos += length
-    for i, ok in enumerate(_hashes_match(chunks, [digest for _, digest in entries])):
-        if not ok:
-            raise CacheGenFormatError(f"substream {i} checksum mismatch (corrupted)")
+    digests = tuple(digest for _, digest in entries)
+    if views and not hashes:
+        return Container(header, sections, chunks, digests)
+    bad = first_bad_stream(Container(header, sections, chunks, digests))
+    if bad is not None:
+        raise CacheGenFormatError(f"substream {bad} checksum mismatch (corrupted)")
     return Container(header, sections, chunks if views else [bytes(c) for c in chunks])
+
+
+def first_bad_stream(c: Container) -> int | None:
+    """The first substream of ``c`` (unpacked with ``hashes=False``) whose XXH3-64 is not its digest, or None."""
+    for i, ok in enumerate(_hashes_match(c.streams, c.digests)):  # type: ignore[arg-type]
+        if not ok:
+            return i
+    return None
 
 
 #: Substream bytes from which a blob's hashes are split between the caller and a helper thread.
@@ -206,20 +234,25 @@ _hash_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made i
 _hash_pool_lock = threading.Lock()
 
 
-def _hashes_match(chunks: Sequence[memoryview], digests: Sequence[int]) -> list[bool]:
-    """Whether each chunk's XXH3-64 is its digest. Past ``PARALLEL_HASH_BYTES`` the second half is hashed by a
-    helper thread beside the caller (xxhash releases the GIL): the first raw chunk of a 3K context, 35 MB,
-    is checked on the critical path of a warm request, before anything else can run."""
-    def match(lo: int, hi: int) -> list[bool]:
-        return [_payload_hash(chunks[i]) == digests[i] for i in range(lo, hi)]
+def _digests(chunks: Sequence[Any]) -> list[int]:
+    """The XXH3-64 of each chunk. Past ``PARALLEL_HASH_BYTES`` the second half is hashed by a helper thread beside
+    the caller (xxhash releases the GIL): the first raw chunk of a 3K context, 35 MB, is checked on the critical path
+    of a warm request, before anything else can run, and a 7B chunk's 200 MB when it is stored from a GPU."""
+    def part(lo: int, hi: int) -> list[int]:
+        return [_payload_hash(chunks[i]) for i in range(lo, hi)]
 
     n = len(chunks)
     if n < 2 or sum(len(c) for c in chunks) < PARALLEL_HASH_BYTES or (os.cpu_count() or 1) < 2:
-        return match(0, n)
+        return part(0, n)
     global _hash_pool
     with _hash_pool_lock:
         if _hash_pool is None or _hash_pool[0] != os.getpid():  # a forked child has the pool but not its thread
             _hash_pool = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachegen-hash"))
         pool = _hash_pool[1]
-    second = pool.submit(match, n // 2, n)
-    return match(0, n // 2) + second.result()
+    second = pool.submit(part, n // 2, n)
+    return part(0, n // 2) + second.result()
+
+
+def _hashes_match(chunks: Sequence[memoryview], digests: Sequence[int]) -> list[bool]:
+    """Whether each chunk's XXH3-64 is its digest (``_digests``)."""
+    return [a == b for a, b in zip(_digests(chunks), digests)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +27,9 @@ import numpy as np
 import torch
 
 from ..errors import CacheGenFormatError
-from .format import Limits, pack, unpack
-from ..kv import KVCache, KVShapeError, upload
+from .format import Container, Limits, first_bad_stream, frame, frame_bound, pack, unpack
+from ..kv import KVCache, KVShapeError, side_stream, upload
+from ..pinned import hold_until
 
 CODEC = "cachegen-raw"
 RAW, LOSSLESS = "raw", "lossless"
@@ -48,17 +50,64 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class Payloads:
+    """The substreams of a raw blob whose checksums are still to be checked (``RawCodec.check(payloads=False)``):
+    checked once, by ``verify``, beside their copy to a GPU."""
+
+    def __init__(self, container: Container) -> None:
+        self.container = container
+        self.bad: int | None = -1  # -1: not checked yet; None: every checksum matched
+
+    def verify(self) -> None:
+        """Raise ``CacheGenFormatError`` unless every substream matches its checksum (hashed the first time only)."""
+        if self.bad == -1:
+            self.bad = first_bad_stream(self.container)
+        if self.bad is not None:
+            raise CacheGenFormatError(f"substream {self.bad} checksum mismatch (corrupted)")
+
+
 @dataclass(frozen=True)
 class RawChecked:
-    """A raw blob whose container and header ``RawCodec.check`` verified."""
+    """A raw blob whose container and header ``RawCodec.check`` verified (its payloads' checksums too, unless
+    ``pending`` holds them: then decoding checks them)."""
 
-    blob: bytes | memoryview  # or a view of a read buffer a stream reuses (DiskCacheStore.read_into)
+    blob: Any  # bytes, or a view of a read buffer a stream reuses (DiskCacheStore.read_into) or of a pinned block
     option: str
     shape: tuple[int, int, int, int]
     dtype: torch.dtype
+    pending: Payloads | None = None
 
     def __len__(self) -> int:
         return len(self.blob)
+
+
+class Staged:
+    """A raw blob being made in one host buffer (``RawCodec.stage``): its payloads, copied from a GPU while
+    ``event`` is pending, then the frame written before them by ``finish``."""
+
+    def __init__(self, block: np.ndarray, room: int, per_stream: int, header: dict[str, Any], kv: KVCache, event: Any) -> None:
+        self.block, self.room, self.per_stream, self.header, self.event = block, room, per_stream, header, event
+        self.kv = kv  # the payloads as ``(layers, heads, tokens, dim)`` keys and values, in the blob's dtype
+        self._blob: memoryview | None = None
+
+    def ready(self) -> KVCache:
+        """The payloads (``kv``) once the copy into them is done."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.kv
+
+    def finish(self) -> memoryview:
+        """The blob: the copy waited for, the payloads hashed, the frame written before them (once)."""
+        if self._blob is None:
+            self.ready()
+            mv = memoryview(self.block)
+            n = 2 * self.kv.num_layers
+            streams = [mv[self.room + i * self.per_stream : self.room + (i + 1) * self.per_stream] for i in range(n)]
+            prefix = frame(self.header, {}, streams)
+            start = self.room - len(prefix)
+            self.block[start : self.room] = np.frombuffer(prefix, dtype=np.uint8)
+            self._blob = mv[start : self.room + n * self.per_stream]
+        return self._blob
 
 
 class RawCodec:
@@ -71,13 +120,7 @@ class RawCodec:
 
     def encode(self, kv: KVCache, option: str = RAW) -> bytes:
         """The blob of ``kv`` stored as ``option`` (``"raw"`` or ``"lossless"``)."""
-        if option not in (RAW, LOSSLESS):
-            raise ValueError(f"not a raw option: {option!r}")
-        if kv.num_tokens < 1:
-            raise KVShapeError("cannot encode an empty KV cache (0 tokens)")
-        if kv.dtype not in _DTYPES.values():
-            raise KVShapeError(f"unsupported KV dtype {kv.dtype}")
-        dtype = kv.dtype if option == LOSSLESS else raw_dtype(kv)
+        header, dtype = self._header(kv, option)
         streams = []
         for x in (kv.keys, kv.values):
             a = x.detach().to(device="cpu", dtype=dtype).contiguous()
@@ -85,19 +128,53 @@ class RawCodec:
             if sys.byteorder != "little":
                 b = b.byteswap()
             streams += [memoryview(b[layer]).cast("B") for layer in range(kv.num_layers)]
-        header = {"codec": CODEC, "option": option, "dtype": _name(dtype), "shape": list(kv.shape), "model_fingerprint": self.fingerprint}
         return pack(header, {}, streams)
 
-    def check(self, blob: bytes | memoryview, option: str = RAW) -> RawChecked:
+    def stage(self, kv: KVCache, option: str = RAW, alloc: Callable[[int], np.ndarray | None] | None = None) -> Staged:
+        """``encode`` in two steps, for a chunk on a GPU: its KV is copied (asynchronously, on the current stream)
+        straight to where the payloads end a host buffer (``alloc(n)``: a pinned block; None: plain memory); then
+        :meth:`Staged.finish` waits for the copy, hashes the payloads and writes the header before them, giving
+        the very bytes ``encode`` gives. Little-endian hosts only (``encode`` elsewhere)."""
+        header, dtype = self._header(kv, option)
+        layers, heads, tokens, dim = kv.shape
+        per = heads * tokens * dim * dtype.itemsize
+        room = -(-frame_bound(header, 2 * layers) // 64) * 64
+        size = room + 2 * layers * per
+        block = alloc(size) if alloc is not None else None
+        if block is None:
+            block = np.empty(size, dtype=np.uint8)
+        payload = torch.from_numpy(block[room:]).view(dtype).view(2, *kv.shape)
+        for dst, x in zip(payload, (kv.keys, kv.values)):
+            dst.copy_(x.detach().to(dtype), non_blocking=True)
+        event = None
+        if kv.keys.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(kv.keys.device))
+            hold_until(block, event)
+        return Staged(block, room, per, header, KVCache(payload[0], payload[1]), event)
+
+    def _header(self, kv: KVCache, option: str) -> tuple[dict[str, Any], torch.dtype]:
+        if option not in (RAW, LOSSLESS):
+            raise ValueError(f"not a raw option: {option!r}")
+        if kv.num_tokens < 1:
+            raise KVShapeError("cannot encode an empty KV cache (0 tokens)")
+        if kv.dtype not in _DTYPES.values():
+            raise KVShapeError(f"unsupported KV dtype {kv.dtype}")
+        dtype = kv.dtype if option == LOSSLESS else raw_dtype(kv)
+        header = {"codec": CODEC, "option": option, "dtype": _name(dtype), "shape": list(kv.shape), "model_fingerprint": self.fingerprint}
+        return header, dtype
+
+    def check(self, blob: Any, option: str = RAW, *, payloads: bool = True) -> RawChecked:
         """Verify a raw blob's container (every checksum) and header: all of ``decode`` but the copy,
-        which a fetch thread can do while the previous chunk decodes."""
-        c = unpack(blob, self.limits, views=True)
+        which a fetch thread can do while the previous chunk decodes. ``payloads=False``: every length and
+        the header, the payloads' checksums left to ``decode`` (which runs them beside the copy to a GPU)."""
+        c = unpack(blob, self.limits, views=True, hashes=payloads)
         shape, dtype = self._check(c.header, option, len(c.streams))
         layers, heads, tokens, dim = shape
         per_layer = heads * tokens * dim * dtype.itemsize
         if any(len(s) != per_layer for s in c.streams):
             raise CacheGenFormatError(f"raw substreams must hold {per_layer} bytes each for shape {list(shape)}")
-        return RawChecked(blob, option, shape, dtype)
+        return RawChecked(blob, option, shape, dtype, None if payloads else Payloads(c))
 
     def decode(self, blob: bytes | memoryview | RawChecked, option: str = RAW, *, out: KVCache | None = None) -> KVCache:
         """The KV of a raw blob stored as ``option``, written into ``out`` (same shape) when given.
@@ -113,11 +190,13 @@ class RawCodec:
         n = layers * heads * tokens * dim
         start = len(checked.blob) - 2 * n * checked.dtype.itemsize  # the payloads, contiguous, end the blob
         if out is not None and out.keys.is_cuda:  # to a GPU in one asynchronous copy, from pinned memory
-            (staged,) = upload(np.frombuffer(checked.blob, dtype=np.uint8)[start:], device=out.keys.device)
+            staged = _to_device(np.frombuffer(checked.blob, dtype=np.uint8)[start:], out.keys.device, checked.pending)
             both = staged.view(checked.dtype).view(2, layers, heads, tokens, dim)
             out.keys.copy_(both[0])
             out.values.copy_(both[1])
             return out
+        if checked.pending is not None:
+            checked.pending.verify()
         parts = []
         for kind in range(2):
             with warnings.catch_warnings():  # a bytes blob is read-only: it is only ever read from here
@@ -153,3 +232,22 @@ class RawCodec:
         if n_streams != 2 * shape[0]:
             raise CacheGenFormatError(f"raw blob has {n_streams} substreams, shape {shape} needs {2 * shape[0]}")
         return tuple(shape), dtype  # type: ignore[return-value]
+
+
+def _to_device(payload: np.ndarray, device: torch.device, pending: Payloads | None) -> torch.Tensor:
+    """``payload`` on ``device`` (``kv.upload``: straight from pinned memory when it is there). With ``pending``
+    checksums, the copy runs on a side stream while they are checked here, and the current stream waits for it
+    only once they match: a corrupted blob raises before anything reads the copy."""
+    if pending is None or pending.bad != -1:
+        if pending is not None:
+            pending.verify()
+        (staged,) = upload(payload, device=device)
+        return staged
+    current = torch.cuda.current_stream(device)
+    side = side_stream(device)  # a copy from host memory into new device memory: nothing on ``current`` to wait for
+    with torch.cuda.stream(side):
+        (staged,) = upload(payload, device=device)
+    pending.verify()  # beside the copy
+    current.wait_stream(side)
+    staged.record_stream(current)  # made on the side stream, read on this one
+    return staged

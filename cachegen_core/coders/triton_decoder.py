@@ -10,8 +10,10 @@ CPU tensors: that is how the test suite runs them on machines without a GPU, and
 
 Before a launch the host checks everything that bounds a read: the layout and table ids
 (``StreamLayout.validate``), the tables (``base.validate_freqs``), every payload's length (even:
-16-bit words). The payloads go to the device in one copy through pinned memory
-(``kv.upload``), the tables once per table set and device; each call waits for the kernel and reads
+16-bit words). A call's inputs go to the device in one copy through pinned memory (``kv.upload``): the
+payloads straight from where they are when that is pinned memory (a store's block, a pinned read buffer),
+never joined when they follow each other in one blob, else staged by several threads; the layout, steps
+and means with them; the tables once per table set and device. Each call waits for the kernel and reads
 back one status per substream, so a bad payload is an error of this call.
 """
 
@@ -174,26 +176,32 @@ class TritonDecoder:
         if off[-1] != tokens * period or np.any(off % period) or not 0 <= first_token <= keys.shape[2] - tokens:
             raise CoderError("substreams must hold whole tokens that fit the output")
         dev = self.device
-        f32 = [x.to(device=dev, dtype=torch.float32).contiguous().reshape(-1) for x in (step, mean if mean is not None else step)]
+        params = [x for x in (step, mean if mean is not None else step)]
+        if any(x.numel() != period for x in params):
+            raise CoderError(f"steps and means must hold {period} values")
         if cos_sin is not None:
             cs = [x.to(device=dev, dtype=torch.float32).contiguous() for x in cos_sin]
             if any(tuple(x.shape) != (tokens, head_dim) for x in cs):
                 raise CoderError(f"cos and sin must be ({tokens}, {head_dim})")
-        else:
-            cs = [f32[0], f32[0]]  # never read
-        if any(x.numel() != period for x in f32):
-            raise CoderError(f"steps and means must hold {period} values")
         if keys.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise CoderError(f"the Triton KV decoder writes float32, float16 or bfloat16, not {keys.dtype}")
         bf16 = keys.dtype == torch.bfloat16
         k, v = (x.view(torch.int16) if bf16 else x for x in (keys, values))  # bfloat16 rounded by the kernel itself
-        args = (*f32, *cs, k, v, keys.stride(0), keys.stride(1), keys.stride(2), first_token, layers, heads, min_symbol)
         meta = kv_meta(head_dim, rotary=cos_sin is not None, add_mean=mean is not None, bf16=bf16)
-        self._run(self._k.decode_kv_kernel, data, offsets, layout, freqs, args, meta)
+
+        def outputs(f32: list[torch.Tensor]) -> tuple[Any, ...]:
+            rot = cs if cos_sin is not None else [f32[0], f32[0]]  # never read without a rotation
+            return (*f32, *rot, k, v, keys.stride(0), keys.stride(1), keys.stride(2), first_token, layers, heads, min_symbol)
+
+        self._run(self._k.decode_kv_kernel, data, offsets, layout, freqs, outputs, meta, params)
 
     def _run(self, kernel: Any, data: np.ndarray, offsets: np.ndarray, layout: StreamLayout, freqs: np.ndarray,
-             outputs: tuple[Any, ...], meta: dict[str, Any]) -> None:  # fmt: skip
-        """Check the inputs, copy them to the device, launch ``kernel`` and raise for the first bad substream."""
+             outputs: Any, meta: dict[str, Any], params: Sequence[torch.Tensor] = ()) -> None:  # fmt: skip
+        """Check the inputs, copy them to the device, launch ``kernel`` and raise for the first bad substream.
+
+        One copy per call carries the payloads (straight from pinned memory when they are there: a store's block or
+        a read buffer, ``pinned.py``), the layout and the float32 ``params`` (steps, means) given in host memory;
+        ``outputs`` is the tuple of the kernel's remaining arguments, or a function of the params on the device."""
         info = device_tables(freqs, self.device)
         layout.validate(info.shape[0])
         n = layout.n_streams
@@ -213,7 +221,11 @@ class TritonDecoder:
         rows = _table_rows(layout)
         region = data[: int(offsets[-1])] if offsets[-1] else np.zeros(2, np.uint8)
         small = np.concatenate([offsets // 2, layout.offsets, order, rounds]).astype(np.int64)
-        words, packed, ids = upload(region, small, np.ascontiguousarray(rows, dtype=np.int32), device=dev)
+        on_host = [p.device.type == "cpu" for p in params]
+        host = [np.ascontiguousarray(p.detach().reshape(-1).float().numpy()) for p, h in zip(params, on_host) if h]
+        words, packed, ids, *sent = upload(region, small, np.ascontiguousarray(rows, dtype=np.int32), *host, device=dev)
+        f32 = [sent.pop(0).view(torch.float32) if h else p.to(device=dev, dtype=torch.float32).contiguous().reshape(-1)
+               for p, h in zip(params, on_host)]  # fmt: skip
         words, packed, ids = words.view(torch.int16), packed.view(torch.int64), ids.view(torch.int32)
         word_off, sym_off = packed[: n + 1], packed[n + 1 : 2 * n + 2]
         order_t, rounds_t = packed[2 * n + 2 : 3 * n + 2], packed[3 * n + 2 :]
@@ -223,6 +235,7 @@ class TritonDecoder:
         launch: dict[str, Any] = {"S": per, "STEPS": steps, "POW2": alphabet == 1 << steps, **meta}
         if dev.type == "cuda":
             launch.update(gpu_options(per))
+        args = outputs(f32) if callable(outputs) else outputs
         events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if dev.type == "cuda" else []
         t = time.perf_counter()
         try:
@@ -230,7 +243,7 @@ class TritonDecoder:
                 if events:
                     events[0].record(torch.cuda.current_stream(dev))
                 kernel[(programs,)](words, word_off, sym_off, order_t, rounds_t, n, ids, layout.period if rows.shape[0] > 1 else 0,
-                                    layout.period, info, alphabet, *outputs, status, **launch)  # fmt: skip
+                                    layout.period, info, alphabet, *args, status, **launch)  # fmt: skip
                 if events:
                     events[1].record(torch.cuda.current_stream(dev))
             codes = status.cpu().numpy()  # waits for the kernel
@@ -267,10 +280,19 @@ def _gpu_streams() -> int:
 
 
 def _joined(payloads: Sequence[bytes | memoryview], n_streams: int) -> tuple[np.ndarray, np.ndarray]:
+    """The payloads as one uint8 array and their offsets: a view when they lie one after the other in one buffer
+    (a blob's substreams), else joined."""
     if len(payloads) != n_streams:
         raise CoderError(f"expected {n_streams} substreams, got {len(payloads)}")
     offsets = np.zeros(n_streams + 1, dtype=np.int64)
     np.cumsum([len(p) for p in payloads], out=offsets[1:])
+    arrays = [np.frombuffer(p, dtype=np.uint8) for p in payloads]
+    at = [a.__array_interface__["data"][0] for a in arrays]
+    if arrays and isinstance(payloads[0], memoryview) and all(at[i] + arrays[i].size == at[i + 1] for i in range(len(at) - 1)):
+        base = np.frombuffer(payloads[0].obj, dtype=np.uint8)  # the buffer the first one is a view of
+        lo = at[0] - base.__array_interface__["data"][0]
+        if 0 <= lo and lo + int(offsets[-1]) <= base.size:
+            return base[lo : lo + int(offsets[-1])], offsets
     return np.frombuffer(b"".join(payloads), dtype=np.uint8), offsets
 
 

@@ -1,17 +1,15 @@
 """ChunkReader: find a prompt's stored chunks and stream them back into the prompt's KV buffer.
 
-The read side of the store, as :class:`~.writer.ChunkWriter` is the write side: manifest
-lookup (one ``get_many`` per prompt), blob fetch, decode checked against the model's KV
-geometry (a forged, well-formed blob of another shape is refused) straight into the
-prompt's preallocated KV, and the pipelined stream of several prompts' chunks under the
-controller (a chunk shared by prompts goes once). It measures what the controller plans
-with into the shared :class:`CostModel`.
-On a store that hands back the very objects it holds (``shares_values``: the in-process
-memory store), the blobs of the last stream are kept with their verification, and a later
-fetch that returns the same (immutable) object is not hashed again: on a 3K context that check
-was 7 of the 17 ms the memory store's raw chunks took (``docs/results.md``).
-Failures never escape: a bad blob or a store error is reported in the request's
-``GenerationInfo`` and the chunks from there on are left to be recomputed.
+The read side of the store, as :class:`~.writer.ChunkWriter` is the write side: manifest lookup (one
+``get_many`` per prompt), blob fetch, decode checked against the model's KV geometry (a forged, well-formed
+blob of another shape is refused) straight into the prompt's preallocated KV, and the pipelined stream of
+several prompts' chunks under the controller (a chunk shared by prompts goes once). It measures what the
+controller plans with into the shared :class:`CostModel`. On a store that hands back the very objects it
+holds (``shares_values``: the in-process memory store), the blobs of the last stream are kept with their
+verification, and a later fetch that returns the same (immutable) object is not hashed again: on a 3K
+context that check was 7 of the 17 ms the memory store's raw chunks took (``docs/results.md``). Failures
+never escape: a bad blob or a store error is reported in the request's ``GenerationInfo`` and the chunks
+from there on are left to be recomputed.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from ..keys.chunks import Chunk, blob_key
 from ..codec.kvcodec import Checked, KVCodec
 from ..errors import BackendUnavailable, BlobMissing, CacheGenFormatError, StoreError
 from ..kv import KVCache, KVShapeError
+from ..pinned import HostArena, host_arena, settle
 from ..keys.manifest import Manifest, manifest_key
 from ..codec.raw import RawChecked, RawCodec
 from ..stores.base import KVStore
@@ -46,22 +45,23 @@ PartialChunks = Callable[[int], list[Chunk]]
 
 
 class StreamReads:
-    """What one stream's fetches share: the blobs they verified (kept for the next stream when the store
-    shares its objects, see ``ChunkReader.fetch``) and two read buffers, used in turn by a store that can
-    read into one (``read_into``: the disk store): the driver holds at most the blob being decoded and the
-    one being fetched."""
+    """What one stream's fetches share: the blobs they verified (kept for the next stream when the store shares
+    its objects, see ``ChunkReader.fetch``) and two read buffers, used in turn by a store that can read into one
+    (``read_into``): the driver holds at most the blob being decoded and the one being fetched. With a GPU
+    (``arena``) they are pinned blocks (``pinned.py``), each written again once the copy out of it is done."""
 
-    def __init__(self, buffers: list[bytearray]) -> None:
-        self.seen: dict[str, tuple[bytes, Checked | RawChecked]] = {}
-        self.buffers = buffers
-        self._turn = 0
+    def __init__(self, buffers: list[Any], arena: HostArena | None = None) -> None:
+        self.seen: dict[str, tuple[Any, Checked | RawChecked]] = {}
+        self.buffers, self.arena, self._turn = buffers, arena, 0
 
-    def buffer(self, size: int) -> bytearray:
+    def buffer(self, size: int) -> Any:
         """The next read buffer, at least ``size`` bytes (a new one when the one in turn is smaller)."""
         i = self._turn % len(self.buffers)
         self._turn += 1
+        settle(self.buffers[i])  # a copy to a GPU out of it still running
         if len(self.buffers[i]) < size:
-            self.buffers[i] = bytearray(size)
+            block = self.arena.alloc(size) if self.arena is not None else None
+            self.buffers[i] = block if block is not None else bytearray(size)
         return self.buffers[i]
 
 
@@ -86,23 +86,26 @@ class ChunkReader:
         self.geometry = geometry
         self.cost_model = cost_model
         self.health = health
-        self._verified: dict[str, tuple[bytes, Checked | RawChecked]] = {}  # blob key -> (the store's object, checked)
-        self._read_buffers: list[bytearray] = []  # kept between streams (see StreamReads)
+        self._verified: dict[str, tuple[Any, Checked | RawChecked]] = {}  # blob key -> (the store's object, checked)
+        self._read_buffers: list[Any] = []  # kept between streams (see StreamReads)
+        self.arena: HostArena | None = None  # pinned read buffers, raw checksums beside the copy: a model on a GPU
         self._buffers_lock = threading.Lock()
 
     def clear(self) -> None:
         """Forget the kept read buffers and verified blobs (memory only: the next stream makes new ones)."""
         with self._buffers_lock:
-            self._read_buffers = []
-        self._verified = {}
+            self._read_buffers, self._verified = [], {}
 
     @property
     def decode_device(self) -> torch.device:
         """Where levels are decoded (``placement.py``)."""
         return self.placement.device
 
-    def use_device(self, device: torch.device) -> str | None:
-        """Decode levels on ``device`` (the model's) when the coder can there, else on the CPU; returns why not."""
+    def use_device(self, device: torch.device, arena: HostArena | None = None) -> str | None:
+        """Decode levels on ``device`` (the model's) when the coder can there, else on the CPU; returns why not. On a GPU
+        blobs are read into pinned buffers of ``arena`` (default the process's), raw checksums run beside the copy."""
+        self.arena = (arena or host_arena()) if device.type == "cuda" else arena
+        self.clear()
         return self.placement.use(device)
 
     def note_decode(self, info: GenerationInfo, options: Sequence[Option]) -> None:
@@ -179,24 +182,28 @@ class ChunkReader:
         fetch thread, beside the previous chunk's decode); ``BlobMissing`` when it is not (or no longer) stored.
 
         With a stream's ``reads``: the very object the last stream verified is not verified again (a store
-        that shares its objects), and a raw form of ``size`` bytes is read into one of the stream's buffers
-        (a store that can: ``read_into``)."""
+        that shares its objects), and a local store's raw form of ``size`` bytes (on a GPU any form of any store)
+        is read into one of the stream's buffers (a store that can: ``read_into``). A store that holds pinned values (``views``: the memory
+        store on a GPU) hands back the object it holds."""
         name = blob_key(key, option)
-        shares = getattr(self.store, "shares_values", False)
-        read_into = getattr(self.store, "read_into", None)
+        read_into, raw, shares = getattr(self.store, "read_into", None), option in RAW_OPTIONS, getattr(self.store, "shares_values", False)
+        view = self.store.view if getattr(self.store, "views", False) else None  # type: ignore[attr-defined]
         if self.hot is not None and (blob := self.hot.get(name)) is not None:
             pass  # before the store: an entry leaves the hot tier only once the store holds it
-        elif reads is not None and read_into is not None and not shares and option in RAW_OPTIONS and size > 0:
+        elif reads is not None and read_into is not None and not shares and size > 0 and (
+                reads.arena is not None or (raw and getattr(self.store, "local", False))):  # fmt: skip
             blob = read_into(name, reads.buffer(size))
         else:
-            blob = self.store.get(name)
-        if not blob:  # None, or empty: the read raced an eviction on a cluster (``RedisStore``); no blob is empty
+            blob = view(name) if view is not None else self.store.get(name)
+        if blob is None or not len(blob):  # or empty: the read raced an eviction on a cluster (``RedisStore``); no blob is empty
             raise BlobMissing(f"chunk {key[:12]} as {option} is not in the store")
         known = self._verified.get(name)
         if known is not None and known[0] is blob:
             checked = known[1]
+        elif raw:  # to a GPU: its checksums are run beside its copy there (``RawCodec.decode``)
+            checked = self.raw.check(blob, option, payloads=self.arena is None)
         else:
-            checked = self.raw.check(blob, option) if option in RAW_OPTIONS else self.codec.check(blob, option)  # type: ignore[arg-type]
+            checked = self.codec.check(blob, option)  # type: ignore[arg-type]
         if reads is not None and shares:
             reads.seen[name] = (blob, checked)
         return checked
@@ -242,8 +249,7 @@ class ChunkReader:
             t1 = time.perf_counter()
             parts.append(self.decode(blob, key, level))
             if info is not None:
-                info.fetch_s += t1 - t0
-                info.decode_s += time.perf_counter() - t1
+                info.fetch_s, info.decode_s = info.fetch_s + t1 - t0, info.decode_s + time.perf_counter() - t1
                 info.bytes_fetched += len(blob)
                 info.levels.append(level)
         return KVCache.concat(parts)
@@ -366,7 +372,7 @@ class ChunkReader:
             return self.cost_model.chunk_cost(tokens(key), sizes)
 
         with self._buffers_lock:
-            reads = StreamReads([self._read_buffers.pop() if self._read_buffers else bytearray() for _ in range(2)])
+            reads = StreamReads([self._read_buffers.pop() if self._read_buffers else bytearray() for _ in range(2)], self.arena)
         failure = None
         try:
             records = stream_batch(requests, cost, fetch=lambda k, o: self.fetch(k, o, reads, manifests[k].sizes.get(o, 0)),
@@ -376,7 +382,7 @@ class ChunkReader:
             failure, records = f, f.partial.trace
         else:
             with self._buffers_lock:
-                self._read_buffers = sorted(self._read_buffers + [b for b in reads.buffers if b], key=len)[-4:]
+                self._read_buffers = sorted(self._read_buffers + [b for b in reads.buffers if len(b)], key=len)[-4:]
         if getattr(self.store, "shares_values", False):
             self._verified = reads.seen  # the last stream's blobs only: held by the store anyway, unless it evicted them since
         offered = {o for m in manifests.values() for o in m.options if o in controller.options}

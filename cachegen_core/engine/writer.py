@@ -14,12 +14,18 @@ before any later stage. Each
 manifest goes after the blobs it names (see ``manifest.py``), so a reader never sees a
 partially written chunk. A partial chunk that a longer one superseded loses its raw forms
 (:meth:`ChunkWriter.supersede`), its manifest rewritten before they are deleted.
+
+From a GPU (``stage_raw``) a request waits for nothing: ``submit`` queues the copy of each raw form's payloads
+to pinned memory, asynchronously, straight where they will sit in the blob (``RawCodec.stage``), and
+returns; the worker finishes those blobs (the copy waited for, hashed, framed) and writes them before any
+level, then encodes the levels on the CPU from that same host copy.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -28,9 +34,10 @@ from contextlib import AbstractContextManager, contextmanager
 from ..keys.chunks import Chunk, blob_key
 from ..codec.kvcodec import KVCodec
 from ..errors import CacheGenFormatError, StoreError
-from ..kv import KVCache, host_ready, to_host
+from ..kv import KVCache, copy_pending, host_ready, to_host
 from ..keys.manifest import RAW_OPTIONS, Manifest, Option, manifest_key
-from ..codec.raw import RawCodec
+from ..codec.raw import RawCodec, Staged
+from ..pinned import HostArena, host_arena
 from ..stores.base import KVStore
 from ..streaming import rank
 from .hot import HotTier
@@ -89,7 +96,8 @@ class ChunkWriter:
     first stage on a local store; ``flush`` waits) instead of writing them in ``submit``.
     ``queue_size`` bounds the queue: when it is full a chunk is dropped (counted in
     ``stats``, logged once). ``first_stage_now``: write the first stage in ``submit``
-    (default: when the store is local).
+    (default: when the store is local). ``stage_raw``: stage the raw forms for the worker instead (see the
+    module doc; default: for a chunk on a GPU), in blocks of ``arena`` (default the process's pinned one).
     """
 
     def __init__(
@@ -103,6 +111,8 @@ class ChunkWriter:
         queue_size: int = 64,
         health: StoreHealth | None = None,
         first_stage_now: bool | None = None,
+        stage_raw: bool | None = None,
+        arena: HostArena | None = None,
     ) -> None:
         if not options:
             raise ValueError("a writer needs at least one option to store")
@@ -115,6 +125,7 @@ class ChunkWriter:
         self.options = list(dict.fromkeys(options))
         self.health = health or StoreHealth()
         self.first_stage_now = first_stage_now
+        self.stage_raw, self.arena = stage_raw, arena
         self.hot = HotTier()  # first stages encoded but not yet stored (see ``submit``)
         self._worker = Worker(self, queue_size) if background else None
         if self._worker is not None:
@@ -152,6 +163,8 @@ class ChunkWriter:
         manifest ``before``; ``blobs``: that stage already encoded); raises ``StoreError``/``CacheGenError``."""
         options = self.options if stage is None else self.stages[stage]
         kv = to_host(kv)  # (from a GPU: ``store_kv``; the worker's chunks are on the host already)
+        if blobs is not None and any(isinstance(b, Staged) for b in blobs.values()):
+            blobs = self._finish(chunk, blobs)
         blobs = blobs if blobs is not None else {o: self.encode(chunk, kv, o) for o in options}
         try:
             self.store.put_many([(blob_key(chunk.key, o), b) for o, b in blobs.items()])
@@ -205,13 +218,17 @@ class ChunkWriter:
         On a local store its first stage is ready before this returns: written (a store that holds the very
         objects, or ``first_stage_now=True``), else encoded into :attr:`hot`, where this engine's reader finds
         it until the worker has stored it (``hot.py``). Raises what ``write`` raises. KV on a GPU is copied to pinned
-        host memory first, asynchronously (``kv.to_host``): encoded on the CPU, off the device and the request's path."""
+        host memory first, asynchronously: its raw forms staged for the worker (``stage_raw``), else by ``kv.to_host``;
+        encoded on the CPU, off the device and the request's path."""
+        stages = self.stages
+        cheap = all(o in RAW_OPTIONS for o in stages[0])  # a conversion and a checksum, no entropy coding
+        if self._worker is not None and cheap and self.first_stage_now is None and sys.byteorder == "little" and (
+                self.stage_raw if self.stage_raw is not None else kv.keys.is_cuda):  # fmt: skip
+            return self._stage(chunk, kv, stages[0])
         kv = to_host(kv)
         if self._worker is None:
             self.write(chunk, kv)
             return True
-        stages = self.stages
-        cheap = all(o in RAW_OPTIONS for o in stages[0])  # a conversion and a checksum, no entropy coding
         now = self.first_stage_now if self.first_stage_now is not None else cheap and getattr(self.store, "local", False)
         if not now:
             return self._worker.submit(chunk, kv, 0, None)
@@ -222,6 +239,25 @@ class ChunkWriter:
             self._worker.count("written")
             return True
         return self._worker.submit(chunk, kv, 1, manifest)
+
+    def _stage(self, chunk: Chunk, kv: KVCache, options: list[Option]) -> bool:
+        """Queue the chunk with its raw forms' payloads being copied into host blocks (``RawCodec.stage``); the levels
+        are encoded from the copy whose dtype is the chunk's own (else from ``to_host``'s)."""
+        assert self._worker is not None
+        arena = self.arena or host_arena()
+        staged = {o: self.raw.stage(kv, o, arena.alloc if arena is not None else None) for o in options}
+        own = next((s for s in staged.values() if s.kv.dtype == kv.dtype), None)
+        host = copy_pending(own.kv, own.event) if own is not None else to_host(kv)
+        return self._worker.submit(chunk, host, 0, None, staged)  # type: ignore[arg-type]
+
+    def _finish(self, chunk: Chunk, staged: dict[Option, bytes | Staged]) -> dict[Option, bytes]:
+        """Staged raw forms made blobs (the worker's first stage); on a local store that does not hold the very
+        objects, also put in :attr:`hot` until stored (the worker discards them then)."""
+        blobs = {o: b.finish() if isinstance(b, Staged) else b for o, b in staged.items()}
+        if getattr(self.store, "local", False) and not getattr(self.store, "shares_values", False):
+            manifest = Manifest({**self._stored(chunk), **{o: len(b) for o, b in blobs.items()}})
+            self.hot.put(chunk.key, {**{blob_key(chunk.key, o): b for o, b in blobs.items()}, manifest_key(chunk.key): manifest.to_bytes()})
+        return blobs  # type: ignore[return-value]
 
     def _write_behind(self, chunk: Chunk, kv: KVCache, options: list[Option]) -> bool:
         assert self._worker is not None

@@ -48,6 +48,7 @@ from redis.retry import Retry
 
 from ..errors import StoreError
 from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
+from .resp import BulkReader, ServerError
 from .tiers import RAW_TIER, tier_of
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class RedisStore(BaseKVStore):
         self._lock = threading.Lock()
         self._cluster_args: tuple[Any, ...] | None = None
         self._client: Any = None
+        self._reader: BulkReader | bool | None = None  # read_into's sockets (False: this client cannot, ``resp.py``)
         if client is not None:
             self._client = client
         elif self.cluster:  # connected on first use: a cluster client asks a node for the slot map when made
@@ -317,6 +319,29 @@ class RedisStore(BaseKVStore):
                 if isinstance(size, int) and isinstance(idle, int):  # else deleted meanwhile
                     yield k, size, float(idle)
 
+    def read_into(self, key: str, buffer: Any) -> memoryview | bytes | None:
+        """The value of ``key`` received straight into ``buffer`` when it fits (a view of its first bytes), else as
+        bytes; None when absent (``resp.py``: a single server over TCP or a Unix socket; elsewhere ``get``). For big
+        values read again and again into the same (on a GPU host, pinned) buffers: ``get`` returns each in fresh memory."""
+        if self._reader is None:
+            with self._lock:
+                if self._reader is None:
+                    self._reader = BulkReader(self.client.connection_pool.connection_kwargs) if not self.cluster and BulkReader.supports(self.client) else False
+        if self._reader is False:
+            return self.get(key)
+        full, limit = self._full(key), self.max_value_bytes
+        with self._errors("read_into"):
+            try:
+                value, expiry_error = self._reader.read_into(full, buffer, limit, self._ttl(full) if self._refresh else None)
+            except (ServerError, ValueError) as e:  # an error reply, or one that is not RESP
+                raise redis.exceptions.ResponseError(str(e)) from None
+        if expiry_error is not None:
+            self._refresh = False
+            log.warning("%s: this user may not PEXPIRE (%s), so reads leave expiries as the writes set them", self._where, expiry_error)
+        if value is not None and limit is not None and len(value) > limit:
+            raise StoreError(f"RedisStore: value of {full!r} on {self._where} exceeds max_value_bytes={limit}")
+        return value
+
     def head(self, key: str, n: int) -> bytes | None:
         """The first ``n`` bytes of ``key``'s value (None when absent), without reading the rest."""
         full = self._full(key)
@@ -333,6 +358,8 @@ class RedisStore(BaseKVStore):
             return bool(self.client.ping())
 
     def close(self) -> None:
+        if self._reader:
+            self._reader.close()
         if self._owns_client and self._client is not None:
             with self._errors("close"):
                 self._client.close()
