@@ -30,7 +30,7 @@ first one a storing engine reuses a 64-token partial chunk and prefills the rest
 Stores: ``memory``, ``disk`` (diskcache in a temp dir), ``redis`` (a real redis-server on
 loopback), and the same server behind a TCP proxy shaped to 1 and 0.2 Gbit/s (and to 10 Gbit/s,
 ``redis@10gbps``, when asked: the proxy forwards about 8.4 Gbit/s at most on a 2-core box,
-``docs/results.md``, "What the shaped links deliver", so that link is for bigger hosts), and links
+``docs/history/2026-11-24-results-journal.md``, "What the shaped links deliver", so that link is for bigger hosts), and links
 emulated in the process at 0.5, 1, 10, 25 and 100 Gbit/s (``emulated@10gbps``: a memory store behind
 the link clock of ``emulated_link.py``, reads pipelined with decoding; at 0.5 and 1 Gbit/s it can be
 checked against the proxy, ``redis@0.5gbps``/``redis@1gbps``, in the same run). ``--model llama-7b-shaped`` (``benchmarks.common.load``): a Llama of 7B shape
