@@ -76,5 +76,6 @@ def test_a_fit_with_layer_power_scales_each_layer_of_the_same_transform(tiny_lla
     assert torch.allclose(per_layer, per_layer[..., :1].expand_as(per_layer), rtol=2e-3)
     assert not torch.allclose(per_layer[..., 0], torch.ones_like(per_layer[..., 0]), rtol=1e-2)  # it did scale
     assert scaled.codec_id == flat.codec_id and scaled.id != flat.id  # the same blobs and decoders; another profile
+    assert scaled.meta["fitted_on"]["layer_power"] == 1.0 and "layer_power" not in flat.meta["fitted_on"]
     with pytest.raises(ValueError, match="layer_power"):
         FitPlan(layer_power=-1.0)

@@ -127,6 +127,8 @@ def fit_profile(
             transform = _sensitive_layers(model, ids, caches, transform, config, plan, rotary, guard)
     about = {"source": source, "texts": len(ids), "tokens": sum(min(len(x), plan.tokens) for x in ids),
              "fisher_draws": len(stats.contexts) if stats else 0}  # fmt: skip
+    if plan.layer_power > 0 and transform is not None:
+        about.update(layer_power=plan.layer_power, sensitivity_texts=plan.sensitivity_texts, sensitivity_tokens=plan.sensitivity_tokens)
     return Profile.fit(config, caches, transform=transform, rotary=rotary, chunk_tokens=plan.chunk_tokens,
                        model_fingerprint=fingerprint, about=about)  # fmt: skip
 
