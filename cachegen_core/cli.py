@@ -5,7 +5,8 @@
     cachegen ls [STORE] [--json] [--no-headers]   (alias: keys) a store's chunks: options, bytes, age, model
     cachegen model prepare [NAME]      convert the bundled reference model (or a .gguf) once; print its dir
     cachegen model path [NAME]         print its dir without converting (exit 1: not prepared yet)
-    cachegen profile [--model MODEL] [--texts FILE.jsonl] [--field prompt] [--first I] [--last J] [--max-tokens N] [--out PATH]
+    cachegen profile [--model MODEL] [--texts FILE.jsonl] [--field prompt] [--first I] [--last J] [--max-tokens N]
+                     [--layer-power P] [--sensitivity-texts N] [--out PATH]
     cachegen stats [STORE] [--namespace NS] [--no-headers]
     cachegen gc [STORE] [--older-than 7d] [--max-bytes 5G] [--model FP] [--orphans] [--tier raw] [--dry-run]
 
@@ -149,7 +150,8 @@ def _profile(args: argparse.Namespace) -> int:
     fp = model_fingerprint(model, tok)
     config = CodecConfig()
     context = args.chunk_tokens if args.chunk_tokens + 256 <= args.max_tokens else args.max_tokens // 2
-    plan = FitPlan(texts=len(texts), tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, contexts=(context,))
+    plan = FitPlan(texts=len(texts), tokens=args.max_tokens, chunk_tokens=args.chunk_tokens, contexts=(context,),
+                   layer_power=args.layer_power, sensitivity_texts=args.sensitivity_texts)  # fmt: skip
     t1 = time.perf_counter()
     profile = fit_profile(model, tok, texts, config, plan=plan, fingerprint=fp, rotary=RotarySpec.from_model(model),
                           identity=model_identity(model, tok),
@@ -207,6 +209,9 @@ def _register_profile(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.add_argument("--last", type=int, default=2, help="one past the last record used")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per text")
     p.add_argument("--chunk-tokens", type=int, default=1536)
+    p.add_argument("--layer-power", type=float, default=0.0,
+                   help="scale each (kind, layer)'s step by its measured sensitivity to the power -P/2 (0: one step for all)")
+    p.add_argument("--sensitivity-texts", type=int, default=1, help="texts the sensitivity is measured on (one forward pass per kind and layer each)")
     p.add_argument("--out", default=None, help="default: beside the model in the user cache, found by fingerprint")
     p.set_defaults(func=_profile)
 

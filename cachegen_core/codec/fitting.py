@@ -30,7 +30,8 @@ from .config import CodecConfig
 from .kvstats import KVStats
 from .profile import Profile
 from .rotary import RotarySpec
-from .transform import fit_transform
+from .sensitivity import layer_multipliers, layer_sensitivity
+from .transform import Transform, fit_transform, scale_layers
 from .weights import step_weights
 
 #: The calibration text shipped with the package (two of the demo transcripts; see its README).
@@ -48,8 +49,12 @@ class FitPlan:
     """How much a fit reads: ``texts`` texts of up to ``tokens`` tokens (covariance and classes), and
     one Fisher draw per context length of ``contexts`` that a text is long enough for, scoring the
     next ``continuation`` tokens. A text is prefilled ``piece_tokens`` at a time (one model call
-    each: a background fit holds the model for no longer). The defaults are the fast fit
-    (``docs/results.md``)."""
+    each: a background fit holds the model for no longer). With ``layer_power`` > 0 the first
+    ``sensitivity_texts`` of them also measure each (kind, layer)'s sensitivity (``sensitivity.py``): on
+    the first context of ``contexts``, each layer alone coded at ``sensitivity_step``, the next
+    ``sensitivity_tokens`` tokens scored (one forward pass per kind and layer); the transform then scales
+    each layer's step by it to the power ``-layer_power / 2``. Blobs and decoders do not change: only
+    the profile's transform. The defaults are the fast fit (``docs/results.md``)."""
 
     texts: int = 2
     tokens: int = 4096
@@ -58,6 +63,16 @@ class FitPlan:
     chunk_tokens: int = 1536
     piece_tokens: int = 1024
     seed: int = 0
+    layer_power: float = 0.0
+    sensitivity_texts: int = 1
+    sensitivity_tokens: int = 128
+    sensitivity_step: float = 0.16
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_power < float("inf") or not 0 < self.sensitivity_step < float("inf"):
+            raise ValueError("layer_power must be >= 0 and sensitivity_step > 0")
+        if self.sensitivity_texts < 0 or self.sensitivity_tokens < 2:
+            raise ValueError("sensitivity_texts must be >= 0 and sensitivity_tokens >= 2")
 
 
 def fit_profile(
@@ -110,8 +125,12 @@ def fit_profile(
     if stats is not None:
         fisher = stats.fisher if config.transform == "fisher-klt" and stats.fisher_tokens else None
         transform = fit_transform(stats.covariance, fisher, config.fisher_eps, group=stats.group)
+        if plan.layer_power > 0:
+            transform = _sensitive_layers(model, ids, caches, transform, config, plan, rotary, guard)
     about = {"source": source, "texts": len(ids), "tokens": sum(min(len(x), plan.tokens) for x in ids),
              "fisher_draws": len(stats.contexts) if stats else 0}  # fmt: skip
+    if plan.layer_power > 0 and transform is not None:
+        about.update(layer_power=plan.layer_power, sensitivity_texts=plan.sensitivity_texts, sensitivity_tokens=plan.sensitivity_tokens)
     return Profile.fit(config, caches, transform=transform, rotary=rotary, chunk_tokens=plan.chunk_tokens,
                        model_fingerprint=fingerprint, about=about, identity=identity)  # fmt: skip
 
@@ -149,6 +168,20 @@ def fit_weights(
     stats.add_fisher(model, kv.to(device), ids[n:], rotary=rotary, sink_tokens=config.sink_tokens,
                      generator=torch.Generator(device=device).manual_seed(seed))  # fmt: skip
     return step_weights(stats.fisher.diagonal(dim1=-2, dim2=-1), stats.covariance.diagonal(dim1=-2, dim2=-1), config.fisher_eps)
+
+
+def _sensitive_layers(model: Any, ids: list[list[int]], caches: list[KVCache], transform: Transform, config: CodecConfig,
+                      plan: FitPlan, rotary: RotarySpec | None, guard: Callable[[], ContextManager[Any]]) -> Transform:
+    """``transform`` with each (kind, layer) scaled by its measured sensitivity (``sensitivity.py``), measured on the
+    first ``plan.sensitivity_texts`` texts long enough for a context of ``plan.contexts[0]`` tokens and its continuation."""
+    kl = err = None
+    c, n = plan.contexts[0] if plan.contexts else plan.chunk_tokens, plan.sensitivity_tokens
+    used = [(x, kv) for x, kv in zip(ids, caches) if len(x) >= c + n and kv.num_tokens >= c][: plan.sensitivity_texts]
+    for x, kv in used:
+        k, e = layer_sensitivity(model, kv.slice(0, c), x[c : c + n], transform, plan.sensitivity_step,
+                                 rotary=rotary, sink_tokens=config.sink_tokens, chunk_tokens=plan.chunk_tokens, guard=guard)  # fmt: skip
+        kl, err = (k, e) if kl is None else (kl + k, err + e)
+    return transform if kl is None else scale_layers(transform, layer_multipliers(kl, err, plan.layer_power))
 
 
 def _prefill(model: Any, ids: list[int], piece: int, guard: Callable[[], ContextManager[Any]]) -> KVCache:

@@ -170,6 +170,17 @@ def fit_transform(
     return Transform(f32(analysis), f32(synthesis), f32(spread))
 
 
+def scale_layers(t: Transform, multipliers: torch.Tensor) -> Transform:
+    """``t`` with each (kind, layer)'s components divided by ``multipliers[kind, layer]`` (float ``(2, layers)``, > 0):
+    one step then quantises that layer ``multiplier`` times as coarsely (``sensitivity.py``). ``A / m``, ``B * m``,
+    ``spread / m``: the same channels from the same rounded components, a layer's error scaled by ``m``."""
+    m = multipliers.to(torch.float64)
+    if m.shape != t.analysis.shape[:2] or not (torch.isfinite(m).all() and (m > 0).all()):
+        raise ValueError(f"multipliers must be finite, positive and of shape {tuple(t.analysis.shape[:2])}")
+    mm = m[:, :, None, None, None]
+    return Transform((t.analysis.double() / mm).float(), (t.synthesis.double() * mm).float(), (t.spread.double() / mm[..., 0]).float())
+
+
 @functools.lru_cache(maxsize=4)
 def identity_transform(layers: int, heads: int, dim: int) -> Transform:
     """Components = channels (the codec without a profile); one per shape, shared (never written to)."""
