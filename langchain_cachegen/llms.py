@@ -76,7 +76,8 @@ class CacheGenLLM(GenerationFields, BaseLLM):
     @classmethod
     def _refuse_unknown_keywords(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            refuse_unknown(cls.__name__, data, list(cls.model_fields))
+            where = "an option of CacheGenLLM.from_model_id, which builds the engine (with engine=..., set it on the engine)"
+            refuse_unknown(cls.__name__, data, list(cls.model_fields), dict.fromkeys(set(_load_options()) - {"generation_kwargs"}, where))
         return data
 
     @model_validator(mode="after")

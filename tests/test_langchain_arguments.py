@@ -90,6 +90,7 @@ def test_generation_kwargs_sampling_settings_sample(engine):
         ({"generation_kwargs": {"max_new_token": 3}}, "generation_kwargs got .*'max_new_token' \\(did you mean 'max_new_tokens'\\?\\)"),
         ({"generation_kwargs": {"max_tokens": 3}}, "generation_kwargs takes transformers' names: max_new_tokens"),
         ({"generation_kwargs": {"max_length": 30}}, "max_length': it counts the prompt too"),
+        ({"store": None}, "'store': an option of CacheGenLLM.from_model_id"),
     ],
 )
 def test_an_unknown_keyword_is_refused_naming_the_accepted_ones(engine, kwargs, match):

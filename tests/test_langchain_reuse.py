@@ -72,6 +72,14 @@ def test_a_second_question_after_the_same_system_message_recomputes_only_the_que
             assert meta["recomputed_tokens"] == len(prompt) - _rounded(boundary) < len(prompt) - boundary + STEP
 
 
+def test_a_prefix_and_a_prompt_ending_in_the_same_partial_chunk_store_it_once(tiny_llama, tiny_tokenizer):
+    chat = _chat(tiny_llama, tiny_tokenizer)
+    messages = [SystemMessage(words(15, 145)), HumanMessage(words(16, 3))]
+    prompt = render_prompt(tiny_tokenizer, messages)
+    assert _rounded(prompt.prefix_ends[0]) == _rounded(len(prompt)) > 2 * CHUNK  # one partial chunk ends both
+    assert chat.invoke(messages).response_metadata["chunks_queued"] == 2 + 1  # two complete chunks and that one
+
+
 def test_the_shared_partial_chunk_keeps_its_raw_form(tiny_llama, tiny_tokenizer):
     """A question that extends the shared partial chunk does not supersede it: the next one still streams it raw."""
     chat = _chat(tiny_llama, tiny_tokenizer, level=1, store_options=["raw", 1])

@@ -348,7 +348,7 @@ class KVEngine:
         shared_tail = partial and done in {m - m % self.chunk_tokens % self.partial_step for m in first + shared}
         marks = first + (shared if shared_tail or not done % self.chunk_tokens else [])
         ends, superseded = sorted({limit, *(m for m in marks if m < limit)}) if partial else [], shared_tail
-        for c in [*chunks, *(p for end in ends for p in self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:])]:
+        for c in dict.fromkeys([*chunks, *(p for end in ends for p in self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:])]):
             if c.end <= done or c.end > limit:
                 continue
             try:
