@@ -190,7 +190,7 @@ class ChatCacheGen(GenerationFields, BaseChatModel):
         if not messages:
             return 0
         formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
-        return len(render_prompt(self.engine.tokenizer, messages, tools=formatted))
+        return len(render_prompt(self.engine.tokenizer, messages, tools=formatted, mark_prefix=False))
 
     def bind_tools(
         self,

@@ -93,15 +93,17 @@ def render_prompt(
     tools: Sequence[Mapping[str, Any]] | None = None,
     system_text: str = "",
     prefill: str = "",
+    mark_prefix: bool = True,
 ) -> list[int] | SegmentedPrompt:
     """Token ids of :func:`render_text`, stable across turns: a ``SegmentedPrompt`` when messages hold documents
     marked by ``format_documents`` or when messages precede the new turn (the trailing user and tool messages):
     ``prefix_ends`` says where those end, so that the engine keeps a partial chunk there and another question after
-    the same messages (a RAG chain's next question after its system message) reuses every token of them."""
+    the same messages (a RAG chain's next question after its system message) reuses every token of them
+    (``mark_prefix=False``: not looked for, as counting tokens needs only the ids)."""
     dicts, kwargs = _dicts(tokenizer, messages, tools, system_text)
     templated = bool(getattr(tokenizer, "chat_template", None))  # the template writes its own BOS, if any
     ids = tokenize_marked(tokenizer, _render(tokenizer, dicts, kwargs, generation=True) + prefill, add_special_tokens=not templated)
-    if not (k := new_turn(dicts)):
+    if not mark_prefix or not (k := new_turn(dicts)):
         return ids
     try:  # a template may insist on a conversation ending with a user's turn
         before = tokenize_marked(tokenizer, _render(tokenizer, dicts[:k], kwargs, generation=False), add_special_tokens=not templated)
