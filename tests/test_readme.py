@@ -51,7 +51,8 @@ def test_readme_python_runs_and_reuses_the_documents(tmp_path):
     (cache / "models").symlink_to(real_models, target_is_directory=True)
     script = tmp_path / "readme.py"
     script.write_text("\n\n".join([*python_blocks(), SECOND_QUESTION]))
-    env = {**os.environ, "CACHEGEN_CACHE_DIR": str(cache)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # this checkout's package, installed or not
+    env = {**os.environ, "CACHEGEN_CACHE_DIR": str(cache), "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = [(int(c), int(n)) for c, n in re.findall(r"cached (\d+) of (\d+) tokens", proc.stdout)]
