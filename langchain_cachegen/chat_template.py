@@ -79,7 +79,8 @@ def render_text(
 
 
 def new_turn(dicts: Sequence[Mapping[str, Any]]) -> int:
-    """Where the conversation's new turn starts: the trailing user and tool messages (0: the whole of it)."""
+    """Where the conversation's new turn, its trailing user and tool messages, starts (0: nothing precedes it, or the
+    conversation ends with another role's message)."""
     k = len(dicts)
     while k > 0 and dicts[k - 1]["role"] in ("user", "tool"):
         k -= 1

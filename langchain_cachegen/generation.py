@@ -14,6 +14,7 @@ accepted ones: transformers would otherwise reject it deep in ``generate``, or i
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Mapping, Sequence
 from functools import cache
 from typing import Any
@@ -63,8 +64,6 @@ _ENGINE_ONLY = ("stop", "seed")  # not transformers' names: the engine reads the
 def generate_arguments() -> frozenset[str]:
     """The names ``generation_kwargs`` may hold: ``GenerationConfig``'s settings and ``generate``'s own keyword
     arguments, less those the engine sets (:data:`_REFUSED`), plus ``stop`` and ``seed``."""
-    import inspect  # noqa: PLC0415
-
     from transformers import GenerationConfig  # noqa: PLC0415
     from transformers.generation.utils import GenerationMixin  # noqa: PLC0415
 
