@@ -30,14 +30,15 @@ from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.json import parse_partial_json
+from pydantic import model_validator
 
 from cachegen_core.engine import KVEngine
 from cachegen_core.engine.aio import run_in_thread
 
 from .chat_template import render_prompt
-from .documents import CachedDocuments, cache_documents
-from .generation import check_keywords
-from .llms import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, CacheGenLLM
+from .documents import CachedDocuments, cache_documents, tokenize_marked
+from .generation import ACCEPTED, GenerationFields, check_keywords, layered, refuse_unknown
+from .llms import DEFAULT_MODEL, CacheGenLLM
 from .metadata import usage_metadata
 from .structured_output import Method, response_format_prompt, structured_output
 from .tool_calls import ParsedAnswer, ToolCallStreamer, forced_call_prefill, parse_tool_calls
@@ -93,35 +94,42 @@ _CALL_OPTIONS = frozenset({"tools", "tool_choice", "response_format", "model"})
 class _Call:
     """One request to the LLM: the rendered prompt, the answer's prefill and how to read the answer."""
 
-    ids: list[int]
+    ids: Sequence[int]  # a SegmentedPrompt where messages precede the new turn or hold documents
     prefill: str
     tool_names: tuple[str, ...] | None  # None: do not look for tool calls
     stop: list[str] | None
     gen: dict[str, Any]
 
 
-class ChatCacheGen(BaseChatModel):
+class ChatCacheGen(GenerationFields, BaseChatModel):
     """Chat model over a :class:`CacheGenLLM`.
 
     Build it with ``ChatCacheGen.from_model_id(...)`` (the LLM's loader, same options)
-    or ``ChatCacheGen(llm=CacheGenLLM(...))``. ``max_tokens``, ``temperature``, ``top_p``, ``seed``
-    and ``stop`` override the LLM's generation settings for each call; ``None`` leaves them. Each
-    call (and ``bind``) may override them again, and take ``top_k`` (``generation.py``); another
-    keyword is a ``TypeError`` naming the accepted ones. ``ainvoke``, ``abatch`` and ``astream`` never
-    block the event loop, and a cancelled one stops generating within a token, freeing the model.
+    or ``ChatCacheGen(llm=CacheGenLLM(...))``. ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+    ``seed`` and ``stop`` override the LLM's generation settings for each call; ``None`` leaves them.
+    Each call (and ``bind``) may override them again (``generation.py``); any other keyword, at
+    construction or per call, is a ``TypeError`` naming the accepted ones. ``ainvoke``, ``abatch`` and
+    ``astream`` never block the event loop, and a cancelled one stops generating within a token, freeing
+    the model. Token counting (``get_num_tokens_from_messages``, so ``trim_messages(...,
+    token_counter=chat)``) renders the messages as a call does, with the engine's tokenizer.
     """
 
     llm: CacheGenLLM
-    max_tokens: int | None = None
-    """New tokens per answer; ``None``: the LLM's ``generation_kwargs["max_new_tokens"]`` (256 by default)."""
-    temperature: float | None = None
-    """Sampling temperature; ``None`` or ``0``: greedy decoding."""
-    top_p: float | None = None
-    """Nucleus sampling's probability mass (samples, at temperature 1 unless one is set)."""
-    seed: int | None = None
-    """Random seed of sampling: the same seed and prompt give the same answer."""
-    stop: list[str] | None = None
     streaming: bool = False
+    """``invoke`` streams (LangChain's ``streaming`` flag): callbacks get each token."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown_keywords(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            where = "an option of the CacheGenLLM (ChatCacheGen.from_model_id passes it on; with llm=..., set it there)"
+            refuse_unknown(cls.__name__, data, list(cls.model_fields), dict.fromkeys(_LOAD_OPTIONS, where))
+        return data
+
+    @model_validator(mode="after")
+    def _check_generation(self) -> ChatCacheGen:
+        self.llm._engine_kwargs(*self._llm_call(None, {}))  # the fields' values: ValueError now rather than at the first call
+        return self
 
     @classmethod
     def from_model_id(cls, model_id: str | Path = DEFAULT_MODEL, **kwargs: Any) -> ChatCacheGen:
@@ -129,10 +137,12 @@ class ChatCacheGen(BaseChatModel):
 
         Its options (``store``, ``level``, ``chunk_tokens``, ``profile``, ``background``,
         ``slo_s``, ``estimator``, ``generation_kwargs``, ``engine_kwargs``) go to the LLM;
-        every other keyword (``max_tokens``, ``temperature``, ``stop``, ``streaming``,
-        callbacks, ...) sets a field of the chat model.
+        every other keyword (``max_tokens``, ``temperature``, ``top_k``, ``stop``, ``streaming``,
+        callbacks, ...) sets a field of the chat model; an unknown one is a ``TypeError``, raised before the
+        model is loaded.
         """
         load = {k: kwargs.pop(k) for k in _LOAD_OPTIONS & kwargs.keys()}
+        refuse_unknown(f"{cls.__name__}.from_model_id", kwargs, sorted({*_LOAD_OPTIONS, *cls.model_fields} - {"llm"}))
         return cls(llm=CacheGenLLM.from_model_id(model_id, **load), **kwargs)
 
     def cache_documents(self, documents: Iterable[Document | str], *, progress: bool | None = None) -> CachedDocuments:
@@ -156,21 +166,31 @@ class ChatCacheGen(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {**self.llm._identifying_params, "max_tokens": self.max_tokens, "temperature": self.temperature}
+        """The LLM's, with the generation settings every call starts from after this model's fields."""
+        stop, gen = self._llm_call(None, {})
+        return {**self.llm._identifying_params, "generation_kwargs": self.llm._engine_kwargs(stop, gen)}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "cachegen"
         params["ls_model_name"] = kwargs.get("model", self.model_id)
-        gen = self.llm.generation_kwargs
-        max_tokens = kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_tokens))  # this call's, else the field's
-        params["ls_max_tokens"] = max_tokens if max_tokens is not None else gen.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-        temperature = kwargs.get("temperature", self.temperature)
-        if temperature is not None:
-            params["ls_temperature"] = temperature
-        if stop or self.stop:
-            params["ls_stop"] = list(stop or self.stop or [])
+        params.update(self.llm._ls_generation(*self._llm_call(stop, {k: v for k, v in kwargs.items() if k in ACCEPTED})))
         return params
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The token ids of ``text`` as a message's content (the engine's tokenizer, no special tokens,
+        ``format_documents`` markers dropped): no GPT-2 tokenizer is fetched. ``custom_get_token_ids`` when set."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return list(tokenize_marked(self.engine.tokenizer, text, add_special_tokens=False))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """Tokens of the prompt a call on ``messages`` (with ``tools`` bound) renders: the chat template, its
+        special tokens and the assistant turn it opens, as ``usage_metadata["input_tokens"]`` counts them."""
+        if not messages:
+            return 0
+        formatted = [convert_to_openai_tool(t) for t in tools] if tools else None
+        return len(render_prompt(self.engine.tokenizer, messages, tools=formatted, mark_prefix=False))
 
     def bind_tools(
         self,
@@ -218,10 +238,8 @@ class ChatCacheGen(BaseChatModel):
         """This call's stop sequences and generation overrides for the LLM (LangChain's names: the fields, then the call's)."""
         kwargs = {k: v for k, v in kwargs.items() if k != "model"}  # `model` only names the model in traces
         check_keywords(kwargs, type(self).__name__)
-        fields = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
-        gen = {k: v for k, v in fields.items() if v is not None}
-        gen.update(kwargs)
-        stop = stop or gen.pop("stop", None) or self.stop
+        gen = layered(self.generation_fields(), kwargs)
+        stop = stop or gen.pop("stop", None)
         gen.pop("stop", None)
         return list(stop or []) or None, gen
 

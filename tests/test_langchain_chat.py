@@ -132,7 +132,8 @@ def test_chat_stop_sequences_are_honoured(llm):
 
 def test_chat_identifying_and_tracing_params(llm):
     chat = ChatCacheGen(llm=llm, max_tokens=5)
-    assert chat._identifying_params == {**llm._identifying_params, "max_tokens": 5, "temperature": None}
+    assert chat._identifying_params == {**llm._identifying_params, "generation_kwargs": {"max_new_tokens": 5}}  # the real settings
+    assert ChatCacheGen(llm=llm, temperature=0.5)._identifying_params["generation_kwargs"] == {"max_new_tokens": 8, "do_sample": True, "temperature": 0.5}
     assert chat._llm_type == "cachegen-chat"
     assert chat._get_ls_params()["ls_max_tokens"] == 5
     assert ChatCacheGen(llm=llm)._get_ls_params()["ls_max_tokens"] == 8  # the LLM's max_new_tokens
@@ -155,6 +156,15 @@ class TestChatCacheGenStandard(ChatModelUnitTests):
     @property
     def chat_model_class(self):
         return ChatCacheGen
+
+    @property
+    def standard_chat_model_params(self):
+        """The suite's generation parameters; not a hosted model's ``timeout``, ``max_retries`` and ``api_key``: a
+        local model has no request to time out, retry or authorise, and ChatCacheGen refuses what it would ignore."""
+        params = super().standard_chat_model_params
+        refused = {k: params.pop(k) for k in ("timeout", "max_retries", "api_key") if k in params}
+        assert refused and params == {"temperature": 0, "max_tokens": 100, "stop": []}, params
+        return params
 
     @property
     def chat_model_params(self):

@@ -49,7 +49,7 @@ def test_json_schema_method_prompts_the_schema_and_starts_the_object(chat, monke
     assert result == (Joke(**JOKE) if schema is Joke else JOKE)
     system_text, prefill = response_format_prompt({"type": "json_schema", "json_schema": {"schema": convert_to_json_schema(schema)}})
     assert prefill == "{" and json.dumps(convert_to_json_schema(schema)) in system_text
-    expected = render_prompt(chat.engine.tokenizer, [SystemMessage("w7"), HumanMessage("w9")], system_text=system_text, prefill="{")
+    expected = list(render_prompt(chat.engine.tokenizer, [SystemMessage("w7"), HumanMessage("w9")], system_text=system_text, prefill="{"))
     assert calls[0]["prompt"] == expected
 
 
@@ -57,7 +57,7 @@ def test_json_mode_only_starts_the_object(chat, monkeypatch):
     calls = script_answers(chat.engine, monkeypatch, ANSWER)
     assert chat.with_structured_output(Joke, method="json_mode").invoke("w9") == Joke(**JOKE)
     assert chat.with_structured_output(None, method="json_mode").invoke("w9") == JOKE
-    assert calls[0]["prompt"] == render_prompt(chat.engine.tokenizer, [HumanMessage("w9")], prefill="{")
+    assert calls[0]["prompt"] == list(render_prompt(chat.engine.tokenizer, [HumanMessage("w9")], prefill="{"))
 
 
 @pytest.mark.parametrize("schema", [Joke, JokeDict])
@@ -66,7 +66,7 @@ def test_function_calling_method_forces_the_schema_as_a_tool(chat, monkeypatch, 
     assert chat.with_structured_output(schema, method="function_calling").invoke("w9") == (Joke(**JOKE) if schema is Joke else JOKE)
     tool = convert_to_openai_tool(schema)
     prefill = forced_call_prefill([tool], tool["function"]["name"])
-    assert calls[0]["prompt"] == render_prompt(chat.engine.tokenizer, [HumanMessage("w9")], tools=[tool], prefill=prefill)
+    assert calls[0]["prompt"] == list(render_prompt(chat.engine.tokenizer, [HumanMessage("w9")], tools=[tool], prefill=prefill))
 
 
 def test_structured_stream_yields_growing_objects(chat, monkeypatch):

@@ -179,7 +179,7 @@ def test_forced_choice_starts_the_answer_with_the_call(chat, monkeypatch):
     assert msg.content == ""
     prefill = forced_call_prefill(TOOLS, "get_weather")
     tok = chat.engine.tokenizer
-    assert calls[0]["prompt"] == render_prompt(tok, [HumanMessage("w9")], tools=TOOLS, prefill=prefill)
+    assert calls[0]["prompt"] == list(render_prompt(tok, [HumanMessage("w9")], tools=TOOLS, prefill=prefill))
     assert forced_call_prefill(TOOLS, None) == '<tool_call>\n{"name": "'  # "any" of several: the name is the model's
     assert forced_call_prefill(TOOLS[:1], None) == forced_call_prefill(TOOLS[:1], "get_weather")  # of one: that one
 
@@ -254,9 +254,9 @@ def test_a_tool_history_renders_to_a_growing_prefix_with_the_reference_tokenizer
         [AIMessage("Let me check.", tool_calls=[{"name": "get_weather", "args": {"city": "Oslo"}, "id": "b"}]),
          ToolMessage("rain", tool_call_id="b"), ToolMessage("cold", tool_call_id="b")],
     ]  # fmt: skip
-    previous = render_prompt(tok, history, tools=TOOLS)
+    previous = list(render_prompt(tok, history, tools=TOOLS))
     for turn in turns:
         history += turn
-        prompt = render_prompt(tok, history, tools=TOOLS)
+        prompt = list(render_prompt(tok, history, tools=TOOLS))
         assert prompt[: len(previous)] == previous
         previous = prompt

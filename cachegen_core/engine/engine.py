@@ -29,7 +29,7 @@ from ..ops.progress import progress_bar
 from ..ops.settings import resolve_store
 from ..stores.base import KVStore, fetches_on_cpu
 from ..codec.raw import RawCodec
-from ..keys.segments import SegmentedPrompt, document_spans, tokenize_parts
+from ..keys.segments import SegmentedPrompt, document_spans, prefix_ends, tokenize_parts
 from ..streaming import RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
 from .blend import BlendConfig, blend_config
@@ -68,7 +68,8 @@ class KVEngine:
     thread (True) or inline before returning (False, deterministic for scripts and tests). ``progress``: a bar on
     stderr while ``store_kv`` encodes chunks (on a terminal only; None: ``CACHEGEN_PROGRESS``).
     ``partial_step``: a prompt's incomplete last chunk is stored rounded down to a multiple of this many
-    tokens, so the next prompt extending it reuses it (0: complete chunks only). ``blend``: how the
+    tokens, so the next prompt extending it reuses it, and so is the chunk ending at its shared prefix (a
+    ``SegmentedPrompt``'s ``prefix_ends``, last document), for another question after it (0: complete chunks only). ``blend``: how the
     documents of a :class:`SegmentedPrompt` are reused from document caches wherever they land
     (``documents.py``): a preset of ``blend.PRESETS`` (``"fast"``, ``"balanced"``, ``"exact"``: documents
     are plain text, reused only in a prefix) or a ``BlendConfig``; None is ``"exact"``.
@@ -281,7 +282,7 @@ class KVEngine:
                     info.cached_tokens = min(done, len(ids) - 1)
                     info.recomputed_tokens = len(ids) - info.cached_tokens
                 if cache is not None:  # None: cancelled before the prompt was computed, nothing to store
-                    queued = self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt))
+                    queued = self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt), prefix_ends(prompt))
                     if self.documents is not None and r.missing:
                         queued += self.documents.store(ids, r, info, seen)
                     info.tokens_queued = covered_tokens(queued)
@@ -338,21 +339,28 @@ class KVEngine:
         return out.text, out.cache
 
     def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo, ids: Sequence[int],
-                          exact: int, spans: Sequence[tuple[int, int]] = ()) -> list[tuple[int, int]]:  # fmt: skip
+                          exact: int, spans: Sequence[tuple[int, int]] = (), prefixes: Sequence[int] = ()) -> list[tuple[int, int]]:  # fmt: skip
         """Hand the writer, as views of the request's buffer (filled in place, written to no more), the complete chunks
         computed (not fetched) here and the partial chunks ending before ``exact`` (past it reused documents made the KV
-        approximate) and the first document; a reused partial chunk they extend keeps only its levels (``supersede``).
-        Returns the spans of the prompt queued that were not read from the store (past ``done``)."""
+        approximate): at the prompt's end, at the first document's start and, unless the request continues its own
+        conversation's last tail (a reused partial chunk ending at none of these marks), at the last document's end and
+        the ``prefixes`` (a chat's messages before its new turn), so that another question after them reuses all of
+        them. A reused partial chunk they extend keeps only its levels (``supersede``), unless it ends at a mark (other
+        questions start from it). Returns the spans of the prompt queued that were not read from the store (past ``done``)."""
         limit, partial, queued = min(exact, len(ids)), 0 < self.partial_step < self.chunk_tokens, []
-        ends = sorted({limit, *(s for s, _ in spans[:1] if s < limit)}) if partial else []
-        for c in [*chunks, *(p for end in ends for p in self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:])]:
+        first, shared = [s for s, _ in spans[:1]], [*(e for _, e in spans[-1:]), *prefixes]
+        shared_tail = partial and done in {m - m % self.chunk_tokens % self.partial_step for m in first + shared}
+        marks = first + (shared if shared_tail or not done % self.chunk_tokens else [])
+        ends, superseded = sorted({limit, *(m for m in marks if m < limit)}) if partial else [], shared_tail
+        for c in dict.fromkeys([*chunks, *(p for end in ends for p in self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:])]):
             if c.end <= done or c.end > limit:
                 continue
             try:
                 if self.writer.submit(c, buffer.slice(c.start, c.end)):
                     info.chunks_queued += 1
                     queued.append((max(c.start, done), c.end))
-                    if partial and c.start < done:  # done % chunk_tokens > 0: the partial chunk ending at done
+                    if partial and c.start < done and not superseded:  # done % chunk_tokens > 0: the partial chunk ending at done
+                        superseded = True
                         self.writer.supersede(self._partials(list(ids[:done]))(c.start)[-1], self.level)
             except StoreError as e:  # logged once by the writer, not per chunk
                 info.errors.append(f"storing chunk {c.index} failed: {e}")

@@ -2,7 +2,9 @@
 
 A :class:`SegmentedPrompt` is a prompt's token ids (it is a ``Sequence[int]``, usable wherever
 ids are) that also knows which spans are documents (retrieved passages, tool outputs...): the
-engine may take their KV from document caches computed on their own, wherever they land.
+engine may take their KV from document caches computed on their own, wherever they land; and
+where prefixes that later prompts share end (``prefix_ends``: a chat's messages before its new
+turn), at which the engine keeps a partial chunk so that the next question reuses all of them.
 
 Document keys. A document is computed once after a fixed ``preamble`` (a few tokens, such as
 the tokenizer's BOS, standing in for whatever precedes it in a prompt) and stored in pieces of
@@ -33,14 +35,19 @@ _PERSON = b"cachegen-docv1"
 
 @dataclass(frozen=True)
 class SegmentedPrompt(Sequence[int]):
-    """Token ``ids`` and the ``documents`` among them: sorted, disjoint ``(start, end)`` spans."""
+    """Token ``ids``, the ``documents`` among them (sorted, disjoint ``(start, end)`` spans) and ``prefix_ends``:
+    sorted positions in ``(0, len(ids)]`` where a prefix that later prompts share ends."""
 
     ids: tuple[int, ...]
     documents: tuple[tuple[int, int], ...] = ()
+    prefix_ends: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ids", tuple(int(t) for t in self.ids))
         object.__setattr__(self, "documents", tuple((int(s), int(e)) for s, e in self.documents))
+        object.__setattr__(self, "prefix_ends", tuple(int(e) for e in self.prefix_ends))
+        if list(self.prefix_ends) != sorted(set(self.prefix_ends)) or any(not 0 < e <= len(self.ids) for e in self.prefix_ends):
+            raise ValueError(f"prefix ends {self.prefix_ends} are not sorted positions in (0, {len(self.ids)}]")
         last = 0
         for s, e in self.documents:
             if not last <= s < e <= len(self.ids):
@@ -75,6 +82,11 @@ class SegmentedPrompt(Sequence[int]):
 def document_spans(prompt: object) -> tuple[tuple[int, int], ...]:
     """The document spans of a prompt (none for text or plain ids)."""
     return prompt.documents if isinstance(prompt, SegmentedPrompt) else ()
+
+
+def prefix_ends(prompt: object) -> tuple[int, ...]:
+    """The ends of a prompt's shared prefixes (none for text or plain ids)."""
+    return prompt.prefix_ends if isinstance(prompt, SegmentedPrompt) else ()
 
 
 def tokenize_parts(tokenizer: Any, parts: Iterable[tuple[str, bool]], *, add_special_tokens: bool = True) -> SegmentedPrompt:
@@ -117,4 +129,4 @@ def document_pieces(
     return pieces
 
 
-__all__ = ["SegmentedPrompt", "document_pieces", "document_spans", "tokenize_parts"]
+__all__ = ["SegmentedPrompt", "document_pieces", "document_spans", "prefix_ends", "tokenize_parts"]
