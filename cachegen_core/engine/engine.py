@@ -34,11 +34,12 @@ from ..streaming import RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
 from .blend import BlendConfig, blend_config
 from .buffers import BufferPool
-from .cost import CostModel
+from .cost import model_costs
 from .documents import DocumentCaches, Indexed, Reused
 from .info import GenerationInfo, covered_tokens
 from .loading import from_pretrained
 from .options import default_options, storable
+from .probes import Prober
 from .reader import ChunkReader, report
 from .writer import ChunkWriter
 
@@ -63,8 +64,8 @@ class KVEngine:
     (or prefilled as text); with ``slo_s`` (seconds to fetch and decode them) the controller
     picks, chunk by chunk, the finest stored option that meets the deadline at the bandwidth
     measured by ``estimator`` (``"harmonic"`` or ``"last"``), or text (``allow_text=False``: a
-    cached chunk is never recomputed instead). ``background``: store new chunks in a worker
-    thread (True) or inline before returning (False, deterministic for scripts and tests). ``progress``: a bar on
+    cached chunk is never recomputed instead). ``background``: store new chunks and measure costs (``probes.py``) in
+    worker threads (True) or inline before returning (False, deterministic for scripts and tests). ``progress``: a bar on
     stderr while ``store_kv`` encodes chunks (on a terminal only; None: ``CACHEGEN_PROGRESS``).
     ``partial_step``: a prompt's incomplete last chunk is stored rounded down to a multiple of this many
     tokens, so the next prompt extending it reuses it (0: complete chunks only). ``blend``: how the
@@ -118,10 +119,11 @@ class KVEngine:
         self.estimator = make_estimator(estimator)
         self.kv_geometry = hf.supported_geometry(model)  # raises UnsupportedModel
         self.buffers = BufferPool(*self.kv_geometry, hf.model_dtype(model), model.device)  # prompts' KV, reused
-        self.cost_model = CostModel(2 * self.kv_geometry[0] * self.kv_geometry[1] * self.kv_geometry[2])
+        self.cost_model = model_costs(model, self.kv_geometry, chunk_tokens)  # measured as it runs: cost.py, probes.py
         raw = RawCodec(self.fingerprint, limits=self.codec.limits, max_tokens=self.codec.max_tokens)
         self.writer = ChunkWriter(self.codec, store, self.store_options, raw=raw, background=background, queue_size=queue_size)
         self.reader = ChunkReader(self.codec, store, self.kv_geometry, self.cost_model, self.writer.health, raw=raw, hot=self.writer.hot)
+        self.reader.prober = self.prober = Prober(self, background=background)
         why = self.reader.use_device(model.device)
         if why is not None:
             log.warning("the model is on %s but chunks decode on the CPU: %s", model.device, why)
@@ -132,6 +134,7 @@ class KVEngine:
         self.blend = blend_config(blend)
         self.documents = DocumentCaches(self, self.blend) if self.blend is not None else None
         self.profile_fitter: Any = None  # fits a profile in the background (``profiles.py``; set by from_pretrained)
+        self.prober.after_build()  # each raw form's copy on the model's device
 
     from_pretrained = classmethod(from_pretrained)  # load a model (or take one) and build an engine: loading.py
 
@@ -287,6 +290,7 @@ class KVEngine:
                 out.append((text, info))
                 if (not info.chunks_queued or buffer.keys.is_cuda) and not r.missing:  # no view of it queued for the writer
                     self.buffers.give(buffer)  # (from a GPU the writer took copies, made before any later use of it)
+        self.prober.drain()  # without a background thread, the costs due a measurement are measured now
         return out
 
     # ------------------------------------------------------------ the warm path
@@ -304,7 +308,7 @@ class KVEngine:
         t = time.perf_counter()
         with self._lock:
             hf.prefill_into(self.model, ids, buffer, start)
-        self.cost_model.observe_prefill((time.perf_counter() - t) / len(ids))
+        self.cost_model.observe_prefill(len(ids), start, time.perf_counter() - t)
 
     # ------------------------------------------------------------ generation and storing
     def _generate_ids(
@@ -323,14 +327,13 @@ class KVEngine:
                 if streamer is not None:
                     streamer.end()
                 return "", None
+            began = time.perf_counter() - start  # the generation's pass: the prompt's rest prefilled, the first token
             out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer, filled=covered, cancel=cancel)
         info.new_tokens = out.new_tokens
         info.finish_reason, info.stop_sequence = out.finish_reason, out.stop_sequence
         info.ttft_s = out.ttft_s if out.ttft_s is not None else time.perf_counter() - start
-        if info.recomputed_tokens > 64 and out.ttft_s is not None and not computed:
-            per_token = (out.ttft_s - info.fetch_s - info.decode_s) / info.recomputed_tokens
-            if per_token > 0:
-                self.cost_model.observe_prefill(per_token)
+        if out.ttft_s is not None and not computed:  # (reused documents blend: not a plain prefill)
+            self.cost_model.observe_prefill(info.recomputed_tokens, covered, out.ttft_s - began)
         return out.text, out.cache
 
     def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo, ids: Sequence[int],
@@ -367,6 +370,7 @@ class KVEngine:
         engine still answers after it, storing new chunks before it returns."""
         if self.profile_fitter is not None:
             self.profile_fitter.stop(timeout)
+        self.prober.stop(timeout)
         done = self.writer.close(timeout)
         self.buffers.clear()
         self.reader.clear()
