@@ -186,7 +186,7 @@ def test_an_option_measured_slow_once_is_probed_off_the_requests_path_and_tried_
     costs["raw"] = poisoned = 10 * e.cost_model.decode_seconds(1, 1, 0) + 1.0
     _, info = e.generate(prompt, max_new_tokens=1)
     assert info.levels == [1, 1]  # raw looks 10x slower than level 1
-    for _ in range(PROBE_EVERY):  # measured at build: probed again within PROBE_EVERY streams
+    for _ in range(PROBE_EVERY):  # probed on a stored chunk after this stream (the build's was synthetic), else later
         if costs["raw"] < poisoned / 100:
             break
         assert e.generate(prompt, max_new_tokens=1)[1].levels == [1, 1]

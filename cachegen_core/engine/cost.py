@@ -11,7 +11,7 @@ estimate smoothly.
 
 Priors are not trusted for long: the engine measures every option off the request's path (``probes.py``): a raw form's
 copy on the model's device when it is built, and after each stream (:meth:`after_stream`) the options it offered but
-did not use that were never measured, or not for ``probe_every`` streams, one stored chunk each, decoded in the
+did not use that were never measured on a stored chunk, or not for ``probe_every`` streams, one stored chunk each, decoded in the
 background; text, when no prefill of a chunk's size has been timed. An option the controller stops choosing is measured
 again that way, so one slow measurement (on the memory store a raw chunk decoded beside another engine's work measured
 0.10 s instead of 0.008 s) rules nothing out for good: a probe measuring less than the estimate replaces it (contention
@@ -76,9 +76,11 @@ class CostModel:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ decoding
-    def observe_decode(self, option: Option, nbytes: int, seconds: float, tokens: int, *, probe: bool = False) -> None:
+    def observe_decode(self, option: Option, nbytes: int, seconds: float, tokens: int, *, probe: bool = False,
+                       stored: bool = True) -> None:  # fmt: skip
         """One blob of ``nbytes`` decoded in ``seconds`` into ``tokens`` tokens; ``probe``: measured off the request's
-        path, beside no other work, so it replaces a higher estimate (a measurement taken under contention)."""
+        path, beside no other work, so it replaces a higher estimate (a measurement taken under contention);
+        ``stored=False``: a synthetic blob, not fetched from the store (the option is still due a stored probe)."""
         if tokens <= 0:
             return
         s = seconds / tokens
@@ -87,7 +89,8 @@ class CostModel:
         else:
             self._observe(self.decode_s_per_token, option, s)
         self._observe(self.bytes_per_token, option, nbytes / tokens)
-        self.measured_at[option] = self.streams
+        if stored:
+            self.measured_at[option] = self.streams
 
     def _observe(self, table: dict[Option, float], key: Option, value: float) -> None:
         table[key] = value if key not in table else (1 - self.weight) * table[key] + self.weight * value
@@ -157,13 +160,14 @@ class CostModel:
     def after_stream(self, offered: Iterable[Option], used: Iterable[Option], *, text: bool = False) -> list[Option]:
         """A stream offered the stored ``offered`` (and ``text``, when allowed) and used ``used``: the options due a
         probe now, finest first (each asked for once until measured or ``probe_every`` streams have passed): an unused
-        one never measured, or not for ``probe_every`` streams; ``TEXT`` when no prefill of a chunk's size is known."""
+        one never measured on a stored chunk, or not for ``probe_every`` streams; ``TEXT`` when no prefill of a chunk's size is
+        known."""
         self.streams += 1
         used = set(used)
         due: list[Option] = []
         for o in sorted(set(offered) - used - {TEXT}, key=rank):
             last = max(self.measured_at.get(o, -self.probe_every), self._probed_at.get(o, -self.probe_every))
-            if self.streams - last >= (self.probe_every if o in self.decode_s_per_token else 1):
+            if self.streams - last >= (self.probe_every if o in self.measured_at else 1):
                 due.append(o)
         if text and TEXT not in used and not self._sized_prefill():
             if self.streams - self._probed_at.get(TEXT, -self.probe_every) >= self.probe_every:

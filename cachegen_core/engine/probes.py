@@ -154,7 +154,7 @@ class Prober:
         alone = self.yielding.pauses == pauses and (not self.background or self.yielding.idle.is_set())
         return result, seconds if alone else None
 
-    def _decode(self, option: Option, blob: Any, key: str, tokens: int) -> bool:
+    def _decode(self, option: Option, blob: Any, key: str, tokens: int, stored: bool = True) -> bool:
         """Decode ``blob`` (checked) into a spare buffer, timed (twice the first time: a warm-up), into the cost model."""
         e = self._engine
         out = e.buffers.take(tokens)
@@ -168,7 +168,7 @@ class Prober:
             e.buffers.give(out)
         if seconds is None:
             return False
-        e.cost_model.observe_decode(option, len(blob), seconds, tokens, probe=True)
+        e.cost_model.observe_decode(option, len(blob), seconds, tokens, probe=True, stored=stored)
         return True
 
     def _raw_copy(self, option: Option) -> bool:
@@ -180,7 +180,7 @@ class Prober:
         shape = (layers, heads, tokens, dim)
         kv = KVCache(torch.randn(shape).to(hf.model_dtype(e.model)), torch.randn(shape).to(hf.model_dtype(e.model)))
         blob = e.reader.raw.check(e.reader.raw.encode(kv, option), option)  # type: ignore[arg-type]
-        return self._decode(option, blob, "synthetic", tokens)
+        return self._decode(option, blob, "synthetic", tokens, stored=False)
 
     def _stored(self, option: Option, key: str, tokens: int, size: int) -> bool:
         """The stored chunk ``key`` in form ``option``, fetched (checked; a fetch alone feeds the bandwidth estimate)
