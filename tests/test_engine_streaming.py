@@ -195,6 +195,24 @@ def test_an_option_measured_slow_once_is_probed_off_the_requests_path_and_tried_
     assert info.levels[0] == "raw"  # a local store: raw bytes first (copies cost the CPU less than decoding)
 
 
+def test_an_engine_that_never_recomputed_a_chunk_times_one_off_the_requests_path(tiny_llama, tiny_tokenizer):
+    """Text priced far too high, and no prefill of a chunk's size ever timed (another engine stored the prompt): the
+    stream never recomputes, so the probe after it prefills a chunk's worth of tokens, timed, and text's price falls."""
+    from cachegen_core.streaming.fits import PrefillFit
+
+    store, prompt = MemoryStore(), words(7, 2 * CHUNK + 5)
+    engine(tiny_llama, tiny_tokenizer, store).generate(prompt, max_new_tokens=1)  # stored by another engine
+    e = engine(tiny_llama, tiny_tokenizer, store)
+    e.cost_model.prior_prefill = PrefillFit(10.0)  # 10 s a token
+    measured = []
+    observe = e.cost_model.observe_prefill
+    e.cost_model.observe_prefill = lambda *a: measured.append(a) or observe(*a)
+    _, info = e.generate(prompt, max_new_tokens=1)
+    assert TEXT not in info.levels and e.prober.measured >= 1
+    assert (CHUNK, 0) in [m[:2] for m in measured]  # the probe: a chunk from the prompt's start
+    assert e.cost_model.prefill_seconds(CHUNK, 0) < 1.0
+
+
 def test_without_probes_a_slow_measurement_would_rule_raw_out():
     """The same poisoned estimate, no probe: nothing brings it back (what the probes are for)."""
     m = CostModel(1000)

@@ -72,7 +72,7 @@ class CostModel:
         self.measured_at: dict[Option, int] = {}  # the stream count at an option's last measurement
         self._probed_at: dict[Option, int] = {}  # ... and at its last probe asked for
         self._points: dict[tuple[int, int], deque[tuple[int, int, float]]] = {}
-        self._fit: PrefillFit | None = self.prior_prefill
+        self._fit: PrefillFit | None = None  # fitted on first use after a measurement (the prior before any)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ decoding
