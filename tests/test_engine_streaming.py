@@ -213,6 +213,23 @@ def test_an_engine_that_never_recomputed_a_chunk_times_one_off_the_requests_path
     assert e.cost_model.prefill_seconds(CHUNK, 0) < 1.0
 
 
+def test_probes_run_in_the_background_beside_no_request(tiny_llama, tiny_tokenizer):
+    """The engine as shipped (``background=True``): the probes run in their own thread once the request has answered,
+    the synthetic raw copy at build, a stored chunk per form the stream did not use, a chunk's prefill."""
+    from cachegen_core.streaming.fits import PrefillFit
+
+    store, prompt = MemoryStore(), words(8, 2 * CHUNK + 5)
+    engine(tiny_llama, tiny_tokenizer, store).generate(prompt, max_new_tokens=1)  # stored by another engine
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=[0, 1, 2, 3], level=3)
+    e.cost_model.prior_prefill = PrefillFit(10.0)  # text never chosen: its probe runs
+    _, info = e.generate(prompt, max_new_tokens=1)
+    assert e.prober.join(120)
+    used = set(info.levels)
+    assert e.prober.dropped == 0 and e.prober.measured == len({0, 1, 2, 3} - used) + 1  # + the chunk's prefill
+    assert set(e.cost_model.measured_at) == {0, 1, 2, 3} and e.cost_model.prefill_seconds(CHUNK, 0) < 1.0
+    e.close()
+
+
 def test_without_probes_a_slow_measurement_would_rule_raw_out():
     """The same poisoned estimate, no probe: nothing brings it back (what the probes are for)."""
     m = CostModel(1000)

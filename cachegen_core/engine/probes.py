@@ -134,6 +134,18 @@ class Prober:
         else:
             self.dropped += 1
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until no probe is queued or running; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                thread = self._thread
+                if thread is None:
+                    return not self._jobs or not self.background
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+
     def stop(self, timeout: float | None = None) -> None:
         """Run no other probe, and wait for the one running (at most one op, then it stops)."""
         self._stop.set()
