@@ -135,7 +135,8 @@ def test_a_level_never_chosen_is_probed_now_and_then_and_a_slow_measurement_is_f
     m.observe_decode(RAW, 2000, 0.02, 10, probe=True)  # a slower probe blends in
     assert m.decode_s_per_token[RAW] == pytest.approx(0.7 * 0.001 + 0.3 * 0.002)
     assert m.after_stream([RAW], [], text=True) == [TEXT]  # no prefill of a chunk's size timed yet
-    m.observe_prefill(8, 100, 0.01)  # a question: says little of a chunk's cost
+    m.observe_prefill(8, 100, 0.01)  # a question: says little of a chunk's cost (left out of the fit)
+    assert not m.prefill_measured
     assert all(TEXT not in m.after_stream([RAW], [RAW], text=True) for _ in range(3))  # asked for once per 4 streams
     assert m.after_stream([RAW], [RAW], text=True) == [TEXT]
     m.observe_prefill(64, 0, 0.05)

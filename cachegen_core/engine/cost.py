@@ -2,8 +2,9 @@
 
 Per stored option (a level, ``raw``, ``lossless``), the decode seconds and blob bytes per token seen so far (running
 averages), and the prefill's cost by tokens and position (``streaming.fits.PrefillFit``: a chunk late in a long
-prompt costs more to recompute, attention), fitted from the engine's own prefills: cold prompts, text chunks, the
-question after a cached prompt (``observe_prefill``), the last few of each shape. Until an option's decode has been
+prompt costs more to recompute, attention), fitted from the engine's own prefills of at least a partial chunk's tokens:
+cold prompts, text chunks, the generation's pass after a cached prefix (``observe_prefill``), the last few of each
+shape. Until an option's decode has been
 measured it is assumed to cost a prior (a compressed level: ``elements_per_token`` symbols at ``symbols_per_s``; a raw
 form: its bytes at ``copy_bytes_per_s``), the prefill ``prefill_prior_s_per_token`` (attention's share from the
 model's shape, ``attention_per_position``); the first measurement replaces a prior outright, later ones move the
@@ -42,6 +43,11 @@ WEIGHT = 0.3
 PROBE_EVERY = 4
 #: Prefill measurements kept per shape (tokens and position, each to a power of two).
 KEPT_PER_SHAPE = 3
+#: Fewest tokens of a prefill the fit takes (the fewest a chunk priced as text has: a partial chunk's step). A
+#: question's few tokens cost mostly its pass's fixed work: 15 tokens after 1,536 of a 4-layer 7B-shaped model took
+#: 63 ms a token against 31 for the 1,536, which a fit without that work read as attention (text priced 20x too high
+#: at 30K tokens).
+MIN_PREFILL_TOKENS = 64
 
 
 class CostModel:
@@ -112,8 +118,9 @@ class CostModel:
 
     # ------------------------------------------------------------ prefilling
     def observe_prefill(self, tokens: int, position: int, seconds: float) -> None:
-        """``tokens`` tokens prefilled after ``position`` cached ones in ``seconds`` (the fit follows on its next use)."""
-        if tokens <= 0 or seconds <= 0:
+        """``tokens`` tokens prefilled after ``position`` cached ones in ``seconds`` (the fit follows on its next use;
+        fewer than ``MIN_PREFILL_TOKENS`` are left out)."""
+        if tokens < MIN_PREFILL_TOKENS or seconds <= 0:
             return
         with self._lock:
             kept = self._points.setdefault((tokens.bit_length(), position.bit_length()), deque(maxlen=KEPT_PER_SHAPE))

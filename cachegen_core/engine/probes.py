@@ -61,7 +61,7 @@ class Prober:
     those that paused for a request or failed.
     """
 
-    def __init__(self, engine: Any, *, background: bool = True, quiet_s: float = 0.2) -> None:
+    def __init__(self, engine: Any, *, background: bool = True, quiet_s: float = 0.5) -> None:
         self._engine = weakref.proxy(engine)
         self.background = background
         self._jobs: deque[Callable[[], bool]] = deque()
