@@ -62,8 +62,8 @@ class Yielding(TorchDispatchMode):
     """Pauses the thread that runs :meth:`active` before each torch op while ``idle`` is cleared (a request computes).
 
     ``stop``: set to end the work (the next op raises :class:`Stopped`). ``device``: where its ops run (a CUDA device:
-    on a stream of its own). ``paused`` is set while it waits for a request; ``pauses`` counts the waits and ``ops``
-    the ops run.
+    on a stream of its own). ``paused`` is set while it waits for requests to end (or for ``quiet_s`` without one);
+    ``pauses`` counts the ops it held back for a request, ``ops`` the ops run.
     """
 
     def __init__(self, idle: threading.Event, stop: threading.Event | None = None, *, quiet_s: float = 0.5,
@@ -95,7 +95,6 @@ class Yielding(TorchDispatchMode):
         if self.idle.is_set():
             return
         held, self.pauses = self._held, self.pauses + 1
-        self.paused.set()
         if held is not None:
             held.release()
         try:
@@ -103,15 +102,19 @@ class Yielding(TorchDispatchMode):
         finally:
             if held is not None:
                 held.acquire()
-            self.paused.clear()
 
     def wait_quiet(self) -> None:
-        """Wait until no request has computed for ``quiet_s`` (:class:`Stopped` when asked to stop)."""
-        while True:
-            if self.stop.is_set():
-                raise Stopped
-            if self.idle.wait(timeout=0.5) and not self.stop.wait(self.quiet_s) and self.idle.is_set():
-                return
+        """Wait until no request has computed for ``quiet_s`` (``paused`` set meanwhile; :class:`Stopped` when asked
+        to stop)."""
+        self.paused.set()
+        try:
+            while True:
+                if self.stop.is_set():
+                    raise Stopped
+                if self.idle.wait(timeout=0.5) and not self.stop.wait(self.quiet_s) and self.idle.is_set():
+                    return
+        finally:
+            self.paused.clear()
 
     @contextlib.contextmanager
     def holding(self, lock: Any) -> Iterator[None]:
