@@ -7,6 +7,8 @@
 - After a stream, the options its cost model says are due (``CostModel.after_stream``: offered, not used, never
   measured or not lately): one chunk the stream offered in that form, fetched from the store and decoded into a spare
   buffer; text: a chunk's worth of tokens prefilled from the prompt's start, when no prefill of that size was timed.
+The probes write into a buffer of their own, one chunk's KV on the model's device, kept (a fresh one's page faults
+would be timed) until the engine is closed.
 
 Probes run one at a time in a background thread, started when there is work and ending when there is none, under
 ``Yielding``: paused before each torch op while a request computes (the model lock let go), so a request waits for
@@ -33,6 +35,7 @@ from ..kv import KVCache
 from ..stores.base import fetches_on_cpu
 from ..streaming import RAW_OPTIONS, TEXT, Option
 from . import hf
+from .buffers import BufferPool
 from .yielding import Stopped, Yielding, stop_at_exit
 
 log = logging.getLogger("cachegen_core.engine")
@@ -70,6 +73,7 @@ class Prober:
         self._stop = threading.Event()
         self.yielding = Yielding(engine.writer.idle, self._stop, quiet_s=quiet_s, device=engine.model.device)
         self._warm: set[Option] = set()
+        self._buffers = BufferPool(*engine.kv_geometry, hf.model_dtype(engine.model), engine.model.device, keep=1)  # faulted once
         self.measured = self.dropped = 0
         stop_at_exit(self)
 
@@ -147,11 +151,12 @@ class Prober:
                 return False
 
     def stop(self, timeout: float | None = None) -> None:
-        """Run no other probe, and wait for the one running (at most one op, then it stops)."""
+        """Run no other probe, wait for the one running (at most one op, then it stops), free the probes' buffer."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        self._buffers.clear()
 
     # ------------------------------------------------------------ the probes
     def _timed(self, work: Callable[[], Any]) -> tuple[Any, float | None]:
@@ -169,7 +174,7 @@ class Prober:
     def _decode(self, option: Option, blob: Any, key: str, tokens: int, stored: bool = True) -> bool:
         """Decode ``blob`` (checked) into a spare buffer, timed (twice the first time: a warm-up), into the cost model."""
         e = self._engine
-        out = e.buffers.take(tokens)
+        out = self._buffers.take(tokens)
         try:
             work = lambda: e.reader.decode(blob, key, option, out=out, observe=False)  # noqa: E731
             if option not in self._warm:
@@ -177,7 +182,7 @@ class Prober:
                 self._warm.add(option)
             seconds = self._timed(work)[1]
         finally:
-            e.buffers.give(out)
+            self._buffers.give(out)
         if seconds is None:
             return False
         e.cost_model.observe_decode(option, len(blob), seconds, tokens, probe=True, stored=stored)
@@ -213,12 +218,12 @@ class Prober:
         tokens = e.chunk_tokens
         vocab = int(getattr(e.model.config, "vocab_size", 0) or 0)
         ids = [(7 + 31 * i) % vocab if vocab else 0 for i in range(tokens)]  # any tokens: the cost is the same
-        out = e.buffers.take(tokens)
+        out = self._buffers.take(tokens)
         try:
             with self.yielding.holding(e._lock) if self.background else e._lock:
                 seconds = self._timed(lambda: hf.prefill_into(e.model, ids, out, 0))[1]
         finally:
-            e.buffers.give(out)
+            self._buffers.give(out)
         if seconds is None:
             return False
         e.cost_model.observe_prefill(tokens, 0, seconds)
