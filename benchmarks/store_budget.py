@@ -58,6 +58,7 @@ import numpy as np
 from benchmarks.budget_traces import CHUNK, LEVEL, RAW, Costs, Replay, chat_trace, rag_trace, summarise, zipf_trace
 from benchmarks.common import Rows, parser, read_jsonl, setup_threads
 from benchmarks.plotting import Panels, line_panels
+from cachegen_core.streaming.fits import fit_nonnegative
 
 QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
 BUDGETS = [0.05, 0.1, 0.25, 0.5, 0.75, 1.0]
@@ -73,28 +74,6 @@ POLICIES: dict[str, dict[str, Any]] = {
 
 
 # ---------------------------------------------------------------------------- measuring
-def _fit(xs: list[list[float]], ys: list[float]) -> tuple[list[float], float]:
-    """Non-negative least squares of ``ys`` on the columns ``xs`` in relative terms (each point weighted by 1 / y: a
-    0.2 s prefill counts as much as a 20 s one); the coefficients and the mean relative error. Costs cannot be
-    negative: a plain fit of noisy points gave the prefill a negative per-token term, which no request pays."""
-    a, y = np.array(xs, dtype=float), np.array(ys, dtype=float)
-    w = 1 / np.maximum(np.abs(y), 1e-9)
-    best: tuple[float, np.ndarray] | None = None
-    for mask in range(1, 1 << a.shape[1]):  # every subset of the columns: the best non-negative fit is one's
-        cols = [c for c in range(a.shape[1]) if mask >> c & 1]
-        sub, *_ = np.linalg.lstsq(a[:, cols] * w[:, None], y * w, rcond=None)
-        if (sub < 0).any():
-            continue
-        coef = np.zeros(a.shape[1])
-        coef[cols] = sub
-        res = float(np.sum(((a @ coef - y) * w) ** 2))
-        if best is None or res < best[0]:
-            best = (res, coef)
-    coef = best[1] if best is not None else np.zeros(a.shape[1])
-    err = float(np.mean(np.abs(a @ coef - y) * w))
-    return [float(c) for c in coef], err
-
-
 def _units(eng: Any, ids: list[int], context: int) -> list[Any]:
     """The units a prompt of ``context`` tokens (and a short question) stores: its complete chunks, then its partial chunk."""
     from cachegen_core.keys.chunks import partial_chunks  # noqa: PLC0415
@@ -160,9 +139,9 @@ def measure(model: Any, tok: Any, contexts: list[list[int]], question: list[int]
         probe_store.get(f"{i:064x}-Lraw")
     probe_s = (time.perf_counter() - t) / 200
     rag = _measure_rag(model, tok, docs, reps, tmp, build, KVEngine, DiskCacheStore)
-    (g, alpha, beta), perr = _fit([[1, n - a, (n * n - a * a) / 2] for a, n, _ in prefill], [s for *_, s in prefill])
-    fits = {f: _fit([[x] for x, _ in pts], [y for _, y in pts]) for f, pts in stream.items()}  # seconds per token
-    sizes = {f: _fit([[1, x] for x, _ in pts], [y for _, y in pts]) for f, pts in size.items()}
+    (g, alpha, beta), perr = fit_nonnegative([[1, n - a, (n * n - a * a) / 2] for a, n, _ in prefill], [s for *_, s in prefill])
+    fits = {f: fit_nonnegative([[x] for x, _ in pts], [y for _, y in pts]) for f, pts in stream.items()}  # seconds per token
+    sizes = {f: fit_nonnegative([[1, x] for x, _ in pts], [y for _, y in pts]) for f, pts in size.items()}
     costs = Costs((g, alpha, beta), {f: (0.0, c[0]) for f, (c, _) in fits.items()}, {f: tuple(c) for f, (c, _) in sizes.items()},
                   probe_s, rag, fp16_bytes_per_token=round(sizes[RAW][0][1]))  # fmt: skip
     points = {"codec": codec_id, "profile": profile_id, "step_weights": weighted,

@@ -2,8 +2,10 @@
 
 import time
 
+import pytest
+
 from cachegen_core.engine import KVEngine
-from cachegen_core.engine.cost import PRIOR_COPY_BYTES_PER_S, PRIOR_SYMBOLS_PER_S, CostModel
+from cachegen_core.engine.cost import PROBE_EVERY, CostModel
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.stores.redis import RedisStore
 from cachegen_core.streaming import TEXT, HarmonicMeanEstimator
@@ -130,23 +132,29 @@ def test_batch_shares_fetched_chunks(tiny_llama, tiny_tokenizer):
         assert text == e.generate(p, max_new_tokens=4)[0]
 
 
-def test_prefill_speed_prior_is_replaced_by_the_first_measurement(tiny_llama, tiny_tokenizer):
+def test_prefill_prior_is_replaced_by_the_first_measurement_and_then_fitted_by_position(tiny_llama, tiny_tokenizer):
     e = engine(tiny_llama, tiny_tokenizer, MemoryStore())
-    prior = e.cost_model.prefill_s_per_token
+    prior = e.cost_model.prefill_seconds(CHUNK, 0)
     assert not e.cost_model.prefill_measured
     measured = []
     observe = e.cost_model.observe_prefill
-    e.cost_model.observe_prefill = lambda s: measured.append(s) or observe(s)  # what was timed, whatever the CPU's load
-    e.generate(words(4, 3 * CHUNK), max_new_tokens=1)  # a miss: the whole prompt is prefilled and timed
-    first = e.cost_model.prefill_s_per_token
-    assert e.cost_model.prefill_measured and len(measured) == 1 and measured[0] != prior
-    assert first == measured[0]  # the measurement itself, not a blend with the prior
-    e.cost_model.observe_prefill(first + 1.0)  # later measurements move it smoothly
-    assert e.cost_model.prefill_s_per_token == first + 0.3
+    e.cost_model.observe_prefill = lambda *a: measured.append(a) or observe(*a)  # what was timed, whatever the CPU's load
+    prompt = words(4, 3 * CHUNK)
+    n = len(e.tokenize(prompt))
+    e.generate(prompt, max_new_tokens=1)  # a miss: the whole prompt is prefilled and timed, from position 0
+    assert e.cost_model.prefill_measured and len(measured) == 1 and measured[0][:2] == (n, 0)
+    assert e.cost_model.prefill_fit.seconds(n, 0) == pytest.approx(measured[0][2])  # the prior scaled to it, not a blend
+    assert e.cost_model.prefill_seconds(CHUNK, 0) != prior
+    _, info = e.generate(prompt + " and more words after it", max_new_tokens=1)  # the question after the cached chunks
+    tokens, position, _ = measured[-1]  # the generation's pass: the prompt after what its buffer held, timed there
+    assert len(measured) == 2 and position > 0 and tokens + position == info.prompt_tokens
+    e.cost_model.observe_prefill(CHUNK, 10 * CHUNK, 1.0)  # a chunk late in a prompt: dearer than at the start
+    assert e.cost_model.prefill_seconds(CHUNK, 10 * CHUNK) > e.cost_model.prefill_seconds(CHUNK, 0)
 
 
 def test_levels_decode_straight_into_the_prompts_buffer(tiny_llama, tiny_tokenizer, monkeypatch):
     e = engine(tiny_llama, tiny_tokenizer, MemoryStore(), allow_text=False)
+    e.reader.prober = None  # no probe decodes the other levels after the request: the decodes counted are the stream's
     prompt = words(5, 2 * CHUNK + 5)
     want, _ = e.generate(prompt, max_new_tokens=4)
     outs = []
@@ -164,41 +172,71 @@ def test_levels_decode_straight_into_the_prompts_buffer(tiny_llama, tiny_tokeniz
     assert got == want == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 4)
 
 
-def test_an_option_measured_slow_once_is_tried_again(tiny_llama, tiny_tokenizer):
-    """One slow measurement (a raw copy beside another engine's work) must not rule an option out for good:
-    the estimates of options a stream offered but did not use relax towards their priors, until it is chosen again."""
+def test_an_option_measured_slow_once_is_probed_off_the_requests_path_and_tried_again(tiny_llama, tiny_tokenizer):
+    """One slow measurement (a raw copy beside another engine's work) must not rule an option out for good: the options
+    a stream offered but did not use are measured after it (a probe: one chunk fetched and decoded, here after the
+    request, ``background=False``), and a probe faster than the estimate replaces it."""
     e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, store_options=["raw", 1], level=1,
                  allow_text=False, background=False)  # fmt: skip
+    assert "raw" in e.cost_model.decode_s_per_token and e.prober.measured == 1  # the build's probe: a synthetic raw chunk
     e.estimator = LocalLink()  # the decode estimates decide here, not the wall time of the memory store's fetches
     prompt = words(6, 2 * CHUNK + 5)
     e.generate(prompt, max_new_tokens=1)
-    _, info = e.generate(prompt, max_new_tokens=1)
-    assert info.levels[0] == "raw"  # a local store: raw bytes first, before any fetch is measured
     costs = e.cost_model.decode_s_per_token
-    costs["raw"] = poisoned = 10 * e.cost_model.decode_seconds(1, 1, 0) + 1e-3
+    costs["raw"] = poisoned = 10 * e.cost_model.decode_seconds(1, 1, 0) + 1.0
     _, info = e.generate(prompt, max_new_tokens=1)
-    assert info.levels == [1, 1]
-    prior = e.cost_model.prior_s_per_token("raw")
-    assert prior < costs["raw"] < poisoned  # relaxed, not reset
-    for _ in range(20):
-        _, info = e.generate(prompt, max_new_tokens=1)
-        if "raw" in info.levels:
+    assert info.levels == [1, 1]  # raw looks 10x slower than level 1
+    for _ in range(PROBE_EVERY):  # probed on a stored chunk after this stream (the build's was synthetic), else later
+        if costs["raw"] < poisoned / 100:
             break
-    assert "raw" in info.levels
+        assert e.generate(prompt, max_new_tokens=1)[1].levels == [1, 1]
+    assert costs["raw"] < poisoned / 100  # the probe's measurement replaced the estimate
+    _, info = e.generate(prompt, max_new_tokens=1)
+    assert info.levels[0] == "raw"  # a local store: raw bytes first (copies cost the CPU less than decoding)
 
 
-def test_relax_moves_only_estimates_above_their_prior_and_never_past_it():
-    m = CostModel(elements_per_token=1000)
-    m.observe_decode("raw", 2000, 1.0, 10)  # 0.1 s a token, prior 2000 / 10 bytes at PRIOR_COPY_BYTES_PER_S
-    m.observe_decode(1, 500, 1e-9, 10)  # faster than its prior: left alone
-    raw_prior, level_prior = 200 / PRIOR_COPY_BYTES_PER_S, 1000 / PRIOR_SYMBOLS_PER_S
-    assert m.prior_s_per_token("raw") == raw_prior and m.prior_s_per_token(1) == level_prior
-    m.relax(["raw", 1, 2])  # 2: never measured, nothing to relax
-    assert m.decode_s_per_token["raw"] == 0.7 * 0.1 + 0.3 * raw_prior
-    assert m.decode_s_per_token[1] == 1e-10 and 2 not in m.decode_s_per_token
-    for _ in range(200):
-        m.relax(["raw"])
-    assert raw_prior <= m.decode_s_per_token["raw"] < 1.01 * raw_prior
+def test_an_engine_that_never_recomputed_a_chunk_times_one_off_the_requests_path(tiny_llama, tiny_tokenizer):
+    """Text priced far too high, and no prefill of a chunk's size ever timed (another engine stored the prompt): the
+    stream never recomputes, so the probe after it prefills a chunk's worth of tokens, timed, and text's price falls."""
+    from cachegen_core.streaming.fits import PrefillFit
+
+    store, prompt = MemoryStore(), words(7, 2 * CHUNK + 5)
+    engine(tiny_llama, tiny_tokenizer, store).generate(prompt, max_new_tokens=1)  # stored by another engine
+    e = engine(tiny_llama, tiny_tokenizer, store)
+    e.cost_model.prior_prefill = PrefillFit(10.0)  # 10 s a token
+    measured = []
+    observe = e.cost_model.observe_prefill
+    e.cost_model.observe_prefill = lambda *a: measured.append(a) or observe(*a)
+    _, info = e.generate(prompt, max_new_tokens=1)
+    assert TEXT not in info.levels and e.prober.measured >= 1
+    assert (CHUNK, 0) in [m[:2] for m in measured]  # the probe: a chunk from the prompt's start
+    assert e.cost_model.prefill_seconds(CHUNK, 0) < 1.0
+
+
+def test_probes_run_in_the_background_beside_no_request(tiny_llama, tiny_tokenizer):
+    """The engine as shipped (``background=True``): the probes run in their own thread once the request has answered,
+    the synthetic raw copy at build, a stored chunk per form the stream did not use, a chunk's prefill."""
+    from cachegen_core.streaming.fits import PrefillFit
+
+    store, prompt = MemoryStore(), words(8, 2 * CHUNK + 5)
+    engine(tiny_llama, tiny_tokenizer, store).generate(prompt, max_new_tokens=1)  # stored by another engine
+    e = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=[0, 1, 2, 3], level=3)
+    e.cost_model.prior_prefill = PrefillFit(10.0)  # text never chosen: its probe runs
+    _, info = e.generate(prompt, max_new_tokens=1)
+    assert e.prober.join(120)
+    used = set(info.levels)
+    assert e.prober.dropped == 0 and e.prober.measured == len({0, 1, 2, 3} - used) + 1  # + the chunk's prefill
+    assert set(e.cost_model.measured_at) == {0, 1, 2, 3} and e.cost_model.prefill_seconds(CHUNK, 0) < 1.0
+    e.close()
+
+
+def test_without_probes_a_slow_measurement_would_rule_raw_out():
+    """The same poisoned estimate, no probe: nothing brings it back (what the probes are for)."""
+    m = CostModel(1000)
+    m.observe_decode("raw", 2000, 100.0, 10)
+    for _ in range(50):
+        m.after_stream(["raw", 1], [1])
+    assert m.decode_s_per_token["raw"] == 10.0
 
 
 def test_a_store_that_shares_its_objects_is_read_on_the_requests_thread_others_beside_it(tiny_llama, tiny_tokenizer):

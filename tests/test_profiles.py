@@ -187,6 +187,43 @@ def test_an_engine_without_a_profile_fits_one_in_the_background_for_the_next(tin
     assert quiet.profile_fitter is None and quiet.codec.profile is None
 
 
+def test_the_background_fit_pauses_while_a_request_computes(tiny_llama, tiny_tokenizer):
+    """A request arriving in the middle of the fitter's model call waits for one op at most: the fitter stops before its
+    next one, lets go of the model lock, runs none while the request computes, and goes on after it (issue 46)."""
+    import threading
+
+    from tests.test_engine import plain_greedy
+
+    eng = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=64, background=False)
+    inside, go = threading.Event(), threading.Event()
+    calls: list[bool] = []  # per decoder-layer call of the fitter's: whether a request was computing
+
+    def hook(module, args):
+        if threading.current_thread().name == "cachegen-profile":
+            calls.append(not eng.writer.idle.is_set())
+            if len(calls) == 2:  # the fitter's first model call, at its second layer (of three)
+                inside.set()
+                go.wait(60)
+
+    handles = [layer.register_forward_pre_hook(hook) for layer in tiny_llama.model.layers]
+    try:
+        fitter = ProfileFitter(eng, texts=tiny_texts(), plan=PLAN, start_after_s=0.0, quiet_s=0.0)
+        assert inside.wait(60)
+        with eng.writer.busy():  # a request starts computing now
+            go.set()
+            assert fitter.yielding.paused.wait(60)  # at its next op
+            seen = len(calls)
+            prompt = words(3, 150)
+            text, _ = eng.generate(prompt, max_new_tokens=3)  # the model lock is free: the request runs
+            assert len(calls) == seen and fitter.yielding.paused.is_set() and not fitter.done.is_set()
+        assert fitter.done.wait(120) and fitter.profile is not None  # it goes on, and finishes
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(calls) > seen and not any(calls[2:])  # every later layer call ran with no request computing
+    assert text == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 3)  # the fit's call, left half-way, changed nothing
+
+
 def _tokenizer():
     from cachegen_core.testing import make_tiny_tokenizer
 

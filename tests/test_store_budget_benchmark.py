@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from benchmarks import common, store_budget
@@ -111,18 +110,3 @@ def test_the_script_runs_end_to_end_on_a_shaped_model(tiny_model_dir, tmp_path, 
                        "--out", str(again)])  # fmt: skip
     assert [r for r in map(json.loads, open(again)) if "policy" in r] == table
     assert {a % CHUNK for a, _, _ in rows[1]["prefill"]} >= {0}  # measured with whole chunks reused (and partial chunks)
-
-
-def test_the_prefill_fit_is_relative_and_never_negative():
-    """Exact points give their coefficients back; points a plain least-squares fit answers with a negative
-    per-token cost (a slow short prefill beside fast long ones) get the best fit with none below zero."""
-    truth = [0.2, 2e-3, 1e-6]
-    pts = [(a, n) for n in (3000, 5600, 8200) for a in (0, 1536, n - 64)]
-    cols = [[1, n - a, (n * n - a * a) / 2] for a, n in pts]
-    coef, err = store_budget._fit(cols, [sum(c * x for c, x in zip(truth, row)) for row in cols])
-    assert coef == pytest.approx(truth, rel=1e-6) and err < 1e-9
-    noisy = [[1, x] for x in (100, 200, 4000, 8000)]
-    ys = [3.0, 0.5, 1.0, 1.2]
-    coef, err = store_budget._fit(noisy, ys)
-    assert min(coef) >= 0 and err > 0
-    assert min(np.linalg.lstsq(np.array(noisy, dtype=float), ys, rcond=None)[0]) < 0  # what a plain fit gives

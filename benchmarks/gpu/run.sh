@@ -1,8 +1,8 @@
 #!/bin/bash
 # Issue 46's whole table on a lent GPU machine, in about 8 device-minutes: the device tool's `run` with carry
-# [".gpu", ".whl"] after benchmarks/gpu/prepare.sh. The steps' timeouts add up to 580 s (the tool's limit is 600 s a
-# call): one call `bash benchmarks/gpu/run.sh` (timeout_s 600), or two, `... run.sh warm8k warm32k` (340 s) and
-# `... run.sh fresh coder tests` (240 s), each with OUT set apart or the second's log appended to the first's.
+# [".gpu", ".whl"] after benchmarks/gpu/prepare.sh. The steps' timeouts add up to 600 s (the tool's limit is 600 s a
+# call, the machine's start not included): two calls, `... run.sh warm8k warm32k` (340 s) and
+# `... run.sh fresh coder tests` (260 s), each with OUT set apart or the second's log appended to the first's.
 #
 #   bash benchmarks/gpu/run.sh [--dry-run] [STEP ...]     STEP: warm8k warm32k fresh coder tests (default: these, in this
 #                                                         order) or groups (the transform-group A/B, 80 s: asked alone)
@@ -11,7 +11,7 @@
 # the store, the hardware's floor (fp16-pinned: pinned copy + question prefill, transformers alone), the engine
 # pinned to raw and to level 1, the engine as shipped; memory store, disk store, links emulated at 10 and 25 Gbit/s;
 # per request the choices, bytes, fetch and decode seconds (warm_path's `requests`); the miss overhead (miss-path
-# rows); a request 2 s after a cold answer and a new model's first request (fresh_engine); the decoder's kernel and
+# rows); a request 2 s after a cold answer (after_cold) and a new model's first request (first_request); the decoder's kernel and
 # call (coder_throughput); then the GPU tests. Each step runs under its own `timeout`; rows go to $OUT as they come
 # (JSON lines, one file per step) with each step's log; a summary of every file's tail ends log.txt.
 # --dry-run: the same Python steps on the CPU with a tiny shaped model and short contexts (no wheels installed, the
@@ -41,18 +41,20 @@ step() { local t=$1 name=$2; shift 2; local s=$SECONDS; timeout "$t" "$@" >> "$O
   "$PY" -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.is_available())"
   "$PY" -c "from cachegen_core.coders.native_lib import load_error; from cachegen_core.coders.triton_decoder import unavailable_reason; print('native:', load_error(), 'triton:', unavailable_reason('cuda'))"
 } >> "$L" 2>&1
-# the engine's profile fit off in the warm path (it would share the device with every row): fresh_engine times it
+# the engine's profile fit off in the warm path (it would share the device with every row): first_request times it
 WARM=(env CACHEGEN_AUTO_PROFILE=0 "$PY" -m benchmarks.warm_path --device "$DEV" --model "$MODEL" --transcripts 1 --data "$DATA"
       --policies text fp16 fp16-pinned cachegen-auto cachegen-raw cachegen-1 --stores memory disk emulated@10gbps emulated@25gbps)
 for s in $STEPS; do
   case $s in
     warm8k) step 110 warm8k "${WARM[@]}" --contexts $CTX8 --reps $REPS8 --miss-contexts 2 --out "$OUT/warm_path_8k.jsonl" ;;
     warm32k) step 230 warm32k "${WARM[@]}" --contexts $CTX32 --reps $REPS32 --miss-contexts 2 --out "$OUT/warm_path_32k.jsonl" ;;
-    fresh) step 80 fresh "$PY" -m benchmarks.fresh_engine --device "$DEV" --model "$MODEL" --contexts $CTX8 $CTX32 --requests 4 \
-             --data "$DATA" --out "$OUT/fresh_engine.jsonl" ;;
+    fresh) step 40 after_cold "$PY" -m benchmarks.after_cold --device "$DEV" --model "$MODEL" --contexts $CTX8 $CTX32 \
+             --data "$DATA" --out "$OUT/after_cold.jsonl"
+           step 70 first_request "$PY" -m benchmarks.first_request --device "$DEV" --model "$MODEL" --dtype bfloat16 \
+             --context $CTX8 --requests 4 --idle 12 --paired 3 --data "$DATA" --out "$OUT/first_request.jsonl" ;;
     coder) step 70 coder "$PY" -m benchmarks.coder_throughput "${CODER[@]}" --no-real --no-torchac --cpu-threads "" \
              --out "$OUT/coder_triton_7b.jsonl" ;;
-    tests) step 90 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
+    tests) step 80 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
     groups) step 80 groups "$PY" -m benchmarks.transform_groups --device "$DEV" --out "$OUT/transform_groups.jsonl" ;;
     *) echo "unknown step $s" | tee -a "$L" ;;
   esac

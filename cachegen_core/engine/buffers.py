@@ -10,7 +10,6 @@ it back when nothing else can still read it (no chunk of it queued for the write
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import torch
 

@@ -224,7 +224,7 @@ class DocumentCaches:
             text.add(key)
 
         requests = [list(dict.fromkeys(x.chunk.key for x in pieces if x.chunk.key in owner)) for pieces in placed]
-        records, failure = reader.run_stream(requests, manifests, lambda k: owner[k][0].num_tokens, decode=decode,
+        records, failure = reader.run_stream(requests, manifests, lambda k: owner[k][0], decode=decode,
                                              on_text=on_text, controller=controller, estimator=self.engine.estimator)  # fmt: skip
         if failure is not None:
             self._failed(infos[0], failure)

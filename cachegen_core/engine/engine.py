@@ -17,9 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..keys.chunks import Chunk, chunk_keys, partial_chunks, token_array
+from ..keys.chunks import Chunk, chunk_keys, partial_chunks, partial_ends, token_array
 from ..codec.kvcodec import KVCodec
 from ..errors import CacheGenError, StoreError
 from ..keys.fingerprint import model_fingerprint
@@ -34,12 +33,13 @@ from ..streaming import RAW_OPTIONS, Controller, Option, make_estimator, rank
 from . import hf
 from .blend import BlendConfig, blend_config
 from .buffers import BufferPool
-from .cost import CostModel
+from .cost import model_costs
 from .documents import DocumentCaches, Indexed, Reused
 from .info import GenerationInfo, covered_tokens
 from .loading import from_pretrained
 from .options import default_options, storable
 from .positions import check_positions, position_limit
+from .probes import Prober
 from .reader import ChunkReader, report
 from .writer import ChunkWriter
 
@@ -64,8 +64,8 @@ class KVEngine:
     (or prefilled as text); with ``slo_s`` (seconds to fetch and decode them) the controller
     picks, chunk by chunk, the finest stored option that meets the deadline at the bandwidth
     measured by ``estimator`` (``"harmonic"`` or ``"last"``), or text (``allow_text=False``: a
-    cached chunk is never recomputed instead). ``background``: store new chunks in a worker
-    thread (True) or inline before returning (False, deterministic for scripts and tests). ``progress``: a bar on
+    cached chunk is never recomputed instead). ``background``: store new chunks and measure costs (``probes.py``) in
+    worker threads (True) or inline before returning (False, deterministic for scripts and tests). ``progress``: a bar on
     stderr while ``store_kv`` encodes chunks (on a terminal only; None: ``CACHEGEN_PROGRESS``).
     ``partial_step``: a prompt's incomplete last chunk is stored rounded down to a multiple of this many
     tokens, so the next prompt extending it reuses it, and so is the chunk ending at its shared prefix (a
@@ -121,10 +121,11 @@ class KVEngine:
         self.kv_geometry = hf.supported_geometry(model)  # raises UnsupportedModel
         self.max_positions = position_limit(model.config)  # a longer request is refused (positions.py)
         self.buffers = BufferPool(*self.kv_geometry, hf.model_dtype(model), model.device)  # prompts' KV, reused
-        self.cost_model = CostModel(2 * self.kv_geometry[0] * self.kv_geometry[1] * self.kv_geometry[2])
+        self.cost_model = model_costs(model, self.kv_geometry, chunk_tokens)  # measured as it runs: cost.py, probes.py
         raw = RawCodec(self.fingerprint, limits=self.codec.limits, max_tokens=self.codec.max_tokens)
         self.writer = ChunkWriter(self.codec, store, self.store_options, raw=raw, background=background, queue_size=queue_size)
         self.reader = ChunkReader(self.codec, store, self.kv_geometry, self.cost_model, self.writer.health, raw=raw, hot=self.writer.hot)
+        self.reader.prober = self.prober = Prober(self, background=background)
         why = self.reader.use_device(model.device)
         if why is not None:
             log.warning("the model is on %s but chunks decode on the CPU: %s", model.device, why)
@@ -135,6 +136,7 @@ class KVEngine:
         self.blend = blend_config(blend)
         self.documents = DocumentCaches(self, self.blend) if self.blend is not None else None
         self.profile_fitter: Any = None  # fits a profile in the background (``profiles.py``; set by from_pretrained)
+        self.prober.after_build()  # each raw form's copy on the model's device
 
     from_pretrained = classmethod(from_pretrained)  # load a model (or take one) and build an engine: loading.py
 
@@ -292,6 +294,7 @@ class KVEngine:
                 out.append((text, info))
                 if (not info.chunks_queued or buffer.keys.is_cuda) and not r.missing:  # no view of it queued for the writer
                     self.buffers.give(buffer)  # (from a GPU the writer took copies, made before any later use of it)
+        self.prober.drain()  # without a background thread, the costs due a measurement are measured now
         return out
 
     # ------------------------------------------------------------ the warm path
@@ -309,7 +312,7 @@ class KVEngine:
         t = time.perf_counter()
         with self._lock:
             hf.prefill_into(self.model, ids, buffer, start)
-        self.cost_model.observe_prefill((time.perf_counter() - t) / len(ids))
+        self.cost_model.observe_prefill(len(ids), start, time.perf_counter() - t)
 
     # ------------------------------------------------------------ generation and storing
     def _generate_ids(
@@ -328,30 +331,24 @@ class KVEngine:
                 if streamer is not None:
                     streamer.end()
                 return "", None
+            began = time.perf_counter() - start  # the generation's pass: the prompt's rest prefilled, the first token
             out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer, filled=covered, cancel=cancel)
         info.new_tokens = out.new_tokens
         info.finish_reason, info.stop_sequence = out.finish_reason, out.stop_sequence
         info.ttft_s = out.ttft_s if out.ttft_s is not None else time.perf_counter() - start
-        if info.recomputed_tokens > 64 and out.ttft_s is not None and not computed:
-            per_token = (out.ttft_s - info.fetch_s - info.decode_s) / info.recomputed_tokens
-            if per_token > 0:
-                self.cost_model.observe_prefill(per_token)
+        if out.ttft_s is not None and not computed:  # (reused documents blend: not a plain prefill)
+            self.cost_model.observe_prefill(info.recomputed_tokens, covered, out.ttft_s - began)
         return out.text, out.cache
 
     def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo, ids: Sequence[int],
                           exact: int, spans: Sequence[tuple[int, int]] = (), prefixes: Sequence[int] = ()) -> list[tuple[int, int]]:  # fmt: skip
         """Hand the writer, as views of the request's buffer (filled in place, written to no more), the complete chunks
         computed (not fetched) here and the partial chunks ending before ``exact`` (past it reused documents made the KV
-        approximate): at the prompt's end, at the first document's start and, unless the request continues its own
-        conversation's last tail (a reused partial chunk ending at none of these marks), at the last document's end and
-        the ``prefixes`` (a chat's messages before its new turn), so that another question after them reuses all of
-        them. A reused partial chunk they extend keeps only its levels (``supersede``), unless it ends at a mark (other
-        questions start from it). Returns the spans of the prompt queued that were not read from the store (past ``done``)."""
+        approximate) where ``partial_ends`` says (``prefixes``: a chat's messages before its new turn). A reused partial
+        chunk they extend keeps only its levels (``supersede``), unless it ends at a shared mark. Returns the spans of
+        the prompt queued that were not read from the store (past ``done``)."""
         limit, partial, queued = min(exact, len(ids)), 0 < self.partial_step < self.chunk_tokens, []
-        first, shared = [s for s, _ in spans[:1]], [*(e for _, e in spans[-1:]), *prefixes]
-        shared_tail = partial and done in {m - m % self.chunk_tokens % self.partial_step for m in first + shared}
-        marks = first + (shared if shared_tail or not done % self.chunk_tokens else [])
-        ends, superseded = sorted({limit, *(m for m in marks if m < limit)}) if partial else [], shared_tail
+        ends, superseded = partial_ends(limit, done, self.chunk_tokens, self.partial_step, spans, prefixes)
         for c in dict.fromkeys([*chunks, *(p for end in ends for p in self._partials(list(ids[:end]))(end - end % self.chunk_tokens)[-1:])]):
             if c.end <= done or c.end > limit:
                 continue
@@ -379,6 +376,7 @@ class KVEngine:
         engine still answers after it, storing new chunks before it returns."""
         if self.profile_fitter is not None:
             self.profile_fitter.stop(timeout)
+        self.prober.stop(timeout)
         done = self.writer.close(timeout)
         self.buffers.clear()
         self.reader.clear()

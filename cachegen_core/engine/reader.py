@@ -26,7 +26,7 @@ from ..keys.chunks import Chunk, blob_key
 from ..codec.kvcodec import Checked, KVCodec
 from ..errors import BackendUnavailable, BlobMissing, CacheGenFormatError, StoreError
 from ..kv import KVCache, KVShapeError
-from ..pinned import HostArena, host_arena, settle
+from ..pinned import HostArena, host_arena
 from ..keys.manifest import Manifest, manifest_key
 from ..codec.raw import RawChecked, RawCodec
 from ..stores.base import KVStore
@@ -35,6 +35,8 @@ from .cost import CostModel
 from .hot import HotTier
 from .info import GenerationInfo
 from .placement import DecodePlacement
+from .reads import StreamReads
+from .probes import offered_samples
 from .runs import PrefillInto, copy_chunk, keys_before, prefill_text_runs
 from .writer import StoreHealth
 
@@ -42,27 +44,6 @@ log = logging.getLogger("cachegen_core.engine")
 
 #: A prompt's partial chunks that may follow a run of chunks ending at a given token (``chunks.partial_chunks``).
 PartialChunks = Callable[[int], list[Chunk]]
-
-
-class StreamReads:
-    """What one stream's fetches share: the blobs they verified (kept for the next stream when the store shares
-    its objects, see ``ChunkReader.fetch``) and two read buffers, used in turn by a store that can read into one
-    (``read_into``): the driver holds at most the blob being decoded and the one being fetched. With a GPU
-    (``arena``) they are pinned blocks (``pinned.py``), each written again once the copy out of it is done."""
-
-    def __init__(self, buffers: list[Any], arena: HostArena | None = None) -> None:
-        self.seen: dict[str, tuple[Any, Checked | RawChecked]] = {}
-        self.buffers, self.arena, self._turn = buffers, arena, 0
-
-    def buffer(self, size: int) -> Any:
-        """The next read buffer, at least ``size`` bytes (a new one when the one in turn is smaller)."""
-        i = self._turn % len(self.buffers)
-        self._turn += 1
-        settle(self.buffers[i])  # a copy to a GPU out of it still running
-        if len(self.buffers[i]) < size:
-            block = self.arena.alloc(size) if self.arena is not None else None
-            self.buffers[i] = block if block is not None else bytearray(size)
-        return self.buffers[i]
 
 
 def report(info: GenerationInfo, msg: str) -> None:
@@ -90,6 +71,7 @@ class ChunkReader:
         self._read_buffers: list[Any] = []  # kept between streams (see StreamReads)
         self.arena: HostArena | None = None  # pinned read buffers, raw checksums beside the copy: a model on a GPU
         self._buffers_lock = threading.Lock()
+        self.prober: Any = None  # measures the options a stream's cost model says are due (``probes.py``), if set
 
     def clear(self) -> None:
         """Forget the kept read buffers and verified blobs (memory only: the next stream makes new ones)."""
@@ -208,9 +190,9 @@ class ChunkReader:
             reads.seen[name] = (blob, checked)
         return checked
 
-    def decode(self, blob: bytes | Checked | RawChecked, key: str, option: Option, out: KVCache | None = None) -> KVCache:
+    def decode(self, blob: bytes | Checked | RawChecked, key: str, option: Option, out: KVCache | None = None, observe: bool = True) -> KVCache:
         """The chunk's KV (written into ``out`` when given), checked against the model's geometry (and
-        ``out``'s tokens); its cost goes into the cost model."""
+        ``out``'s tokens); its cost goes into the cost model (``observe``; a probe times it itself)."""
         t = time.perf_counter()
         if option in RAW_OPTIONS:
             try:
@@ -235,7 +217,8 @@ class ChunkReader:
             out.keys.copy_(kv.keys)
             out.values.copy_(kv.values)
             kv = out
-        self.cost_model.observe_decode(option, len(blob), time.perf_counter() - t, kv.num_tokens)
+        if observe:
+            self.cost_model.observe_decode(option, len(blob), time.perf_counter() - t, kv.num_tokens)
         return kv
 
     def get(self, chunk_ids: Sequence[str], level: int, info: GenerationInfo | None = None) -> KVCache:
@@ -318,7 +301,7 @@ class ChunkReader:
             return slot(key)
 
         batch_info = infos[0] if len(infos) == 1 else GenerationInfo()
-        records, failure = self.run_stream([[c.key for c in run] for run in runs], manifests, lambda k: owner[k][0].num_tokens,
+        records, failure = self.run_stream([[c.key for c in run] for run in runs], manifests, lambda k: owner[k][0],
                                            decode=decode, on_text=on_text, controller=controller, estimator=estimator)  # fmt: skip
         if failure is not None:
             self._failed(batch_info, failure)
@@ -353,23 +336,24 @@ class ChunkReader:
         self,
         requests: Sequence[Sequence[str]],
         manifests: Mapping[str, Manifest],
-        tokens: Callable[[str], int],
+        chunk_of: Callable[[str], Chunk],
         *,
         decode: Callable[[Checked | RawChecked, str, Option], Any],
         on_text: Callable[[str], Any],
         controller: Controller,
         estimator: Estimator,
     ) -> tuple[tuple[ChunkRecord, ...], StreamFailure | None]:
-        """``stream_batch`` over stored chunks (``requests``: chunk keys; ``manifests``: each key's; ``tokens``: its
-        token count), with what every stream of this reader shares: the cost model (planned with, and after the
-        stream the options offered but not used relaxed towards their priors: ``CostModel.relax``), the verified
+        """``stream_batch`` over stored chunks (``requests``: chunk keys; ``manifests``: each key's; ``chunk_of``: the
+        chunk, its tokens and its place in the prompt: text is priced there), with what every stream of this reader
+        shares: the cost model (planned with; after the stream, the options it says are due a measurement, offered
+        but not used, go to the ``prober``: ``CostModel.after_stream``, ``probes.py``), the verified
         blobs of a store that shares its objects and the read buffers (see ``fetch``). A form the manifest names but
         the store no longer holds (a raw form its raw tier evicted: ``stores/tiers.py``) is replaced by the next one
         the controller picks, the level or text. Returns the records, and the failure that stopped the stream, if any
         (its records then are those before it)."""
         def cost(key: str) -> ChunkCost:
             sizes = {o: n for o, n in manifests[key].sizes.items() if o in controller.options}
-            return self.cost_model.chunk_cost(tokens(key), sizes)
+            return self.cost_model.chunk_cost(chunk_of(key).num_tokens, sizes, chunk_of(key).start)
 
         with self._buffers_lock:
             reads = StreamReads([self._read_buffers.pop() if self._read_buffers else bytearray() for _ in range(2)], self.arena)
@@ -385,8 +369,10 @@ class ChunkReader:
                 self._read_buffers = sorted(self._read_buffers + [b for b in reads.buffers if len(b)], key=len)[-4:]
         if getattr(self.store, "shares_values", False):
             self._verified = reads.seen  # the last stream's blobs only: held by the store anyway, unless it evicted them since
-        offered = {o for m in manifests.values() for o in m.options if o in controller.options}
-        self.cost_model.relax(offered - {r.option for r in records})
+        samples = offered_samples(manifests, controller.options, chunk_of)
+        due = self.cost_model.after_stream(samples, {r.option for r in records}, text=controller.allow_text)
+        if due and self.prober is not None:
+            self.prober.after_stream(due, samples)
         return records, failure
 
     def _failed(self, info: GenerationInfo, f: StreamFailure) -> None:

@@ -155,6 +155,21 @@ def partial_chunks(
     return out
 
 
+def partial_ends(limit: int, done: int, chunk_tokens: int, step: int, spans: Sequence[tuple[int, int]] = (),
+                 prefixes: Sequence[int] = ()) -> tuple[list[int], bool]:
+    """Where a request stores partial chunks (none unless ``0 < step < chunk_tokens``): at ``limit`` (the prompt's end,
+    or where its KV stops being exact), at the first document's start (``spans``) and, unless the request continues a
+    reused partial chunk (ending at ``done``) that is at none of these marks, at the last document's end and the
+    ``prefixes``, so another question after them reuses them whole. Also whether the reused partial chunk ends at a
+    shared mark (other questions start from it: it is not superseded)."""
+    if not 0 < step < chunk_tokens:
+        return [], False
+    first, shared = [s for s, _ in spans[:1]], [*(e for _, e in spans[-1:]), *prefixes]
+    shared_tail = done in {m - m % chunk_tokens % step for m in first + shared}
+    marks = first + (shared if shared_tail or not done % chunk_tokens else [])
+    return sorted({limit, *(m for m in marks if m < limit)}), shared_tail
+
+
 def blob_key(chunk_key: str, option: int | str) -> str:
     """Store key (before the store's namespace) of one chunk stored as one option: a level or a raw form."""
     if isinstance(option, str):

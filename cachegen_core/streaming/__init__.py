@@ -4,7 +4,8 @@ the pipelined drivers that run it. Plain functions over plain data: no model, no
 - :mod:`.estimators`: bandwidth from measured fetches (harmonic mean, or the paper's last sample);
 - :mod:`.controller`: the decision rule (:func:`choose`) and its pipeline prediction;
 - :mod:`.driver`: :func:`stream_chunks` / :func:`stream_batch`, which fetch chunk i+1 while chunk i
-  decodes, and the records they leave.
+  decodes, and the records they leave;
+- :mod:`.fits`: costs fitted from measurements (non-negative, relative errors), the prefill's by position.
 
 May import: nothing of ``cachegen_core`` (plain Python over plain data).
 """

@@ -42,7 +42,7 @@ stream is never slower than recomputing, whatever slack the SLO leaves).
 The prediction is a two-stage pipeline, as :func:`stream_chunks` runs it: the link fetches
 chunks back to back, the compute stage decodes chunk k once it has arrived and chunk k-1 is
 done (``busy_s``: compute already committed, the chunk being decoded now); text needs no
-link and costs ``tokens * prefill_s_per_token``. Each chunk stands for ``n_requests`` like
+link and costs the chunk's ``text_s`` (its prefill at its position), else ``tokens * prefill_s_per_token``. Each chunk stands for ``n_requests`` like
 chunks of a batch sharing the link and the GPU, so every cost scales with it. The plan must
 fit in ``safety`` of the time left, a margin for drops the estimate has not seen. With no
 option fitting, the one predicted to finish first (which meets the SLO if any option does).
@@ -88,11 +88,14 @@ class ChunkCost:
     """What one chunk costs per option: bytes and decode seconds per stored level, tokens for text.
 
     A level missing from ``sizes`` is not stored for this chunk: the controller never picks it.
+    ``text_s``: the seconds recomputing the chunk costs at its position in the prompt (a chunk late in a
+    long prompt costs more: attention); None: ``tokens`` at the controller's ``prefill_s_per_token``.
     """
 
     sizes: Mapping[Option, int]
     decode_s: Mapping[Option, float]
     tokens: int
+    text_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -111,9 +114,10 @@ class Decision:
 
 
 def compute_seconds(cost: ChunkCost, option: Option, prefill_s_per_token: float, n_requests: int = 1) -> float:
-    """Expected decode seconds of one chunk in a stored form, or prefill seconds for text."""
+    """Expected decode seconds of one chunk in a stored form, or prefill seconds for text (``cost.text_s``
+    when known, else ``tokens * prefill_s_per_token``)."""
     if option == TEXT:
-        return n_requests * cost.tokens * prefill_s_per_token
+        return n_requests * (cost.tokens * prefill_s_per_token if cost.text_s is None else cost.text_s)
     return n_requests * cost.decode_s.get(option, 0.0)
 
 

@@ -160,7 +160,7 @@ def stream_chunks(
         c = given(i)
         if i not in lost:
             return c
-        return ChunkCost({o: n for o, n in c.sizes.items() if o not in lost[i]}, c.decode_s, c.tokens)
+        return ChunkCost({o: n for o, n in c.sizes.items() if o not in lost[i]}, c.decode_s, c.tokens, c.text_s)
     start = clock()
     records: list[ChunkRecord] = []
     parts: list[T] = []

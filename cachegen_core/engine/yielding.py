@@ -1,0 +1,185 @@
+"""Background torch work that gives way to requests: :class:`Yielding`, paused before each torch op while one runs.
+
+A background thread of the engine (the profile fit, ``profiles.py``; the cost probes, ``probes.py``) computes with torch,
+whose ops hold every core, and with the model, which a request needs. Checking for requests only between model calls
+made a request arriving mid-call wait for the rest of it (a new 4-layer 7B-shaped model's first request on 2 cores took
+1.53 s instead of 0.38 s while its profile was fitted; on an H200 10.2 s instead of 0.24 s); lowering the thread's
+priority does not help (an op's work runs on torch's intra-op threads), and ``torch.set_num_threads`` cannot be set for
+one thread (it is process-wide, and the default of the threads started after it, a request's among them).
+
+Inside :meth:`Yielding.active` (a torch dispatch mode: it sees every op of the thread that entered it, the ops of
+autograd's backward pass included, and no other thread's) the thread checks before each op whether a request of the
+process computes (``idle`` cleared: ``ChunkWriter.busy``); while one does, it waits, letting go of the model lock it
+holds (:meth:`Yielding.holding`), until none has run for ``quiet_s``. A request waits at most for the op running when
+it arrived. On a GPU the thread's ops go to a stream of their own, synchronised every ``SYNC_EVERY`` ops, so that no
+more of its queued work runs beside a request's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: On a GPU, the ops a background thread may queue before it waits for them.
+SYNC_EVERY = 16
+#: On the CPU, a matrix product of more float32 flops than this is computed in blocks of rows, checking between them
+#: (a 7B model's MLP over a 1024-token piece is one 92 GFLOP product: 4 s of 2 cores; its vocabulary projection 16 s).
+SPLIT_FLOPS = 2e9
+
+
+_WORKERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def stop_at_exit(worker: Any) -> None:
+    """Stop ``worker`` (its ``yielding.stop`` set, its ``_thread`` joined) before the interpreter finalises: a torch
+    call running then would abort it."""
+    _WORKERS.add(worker)
+
+
+@atexit.register
+def _stop_all() -> None:
+    workers = list(_WORKERS)
+    for w in workers:
+        w.yielding.stop.set()
+    for w in workers:
+        thread = w._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)  # at most one op: its next check stops it
+
+
+class Stopped(Exception):
+    """The background work was asked to stop (its ``stop`` event set)."""
+
+
+class Yielding(TorchDispatchMode):
+    """Pauses the thread that runs :meth:`active` before each torch op while ``idle`` is cleared (a request computes).
+
+    ``stop``: set to end the work (the next op raises :class:`Stopped`). ``device``: where its ops run (a CUDA device:
+    on a stream of its own). ``paused`` is set while it waits for requests to end (or for ``quiet_s`` without one);
+    ``pauses`` counts the ops it held back for a request, ``ops`` the ops run.
+    """
+
+    def __init__(self, idle: threading.Event, stop: threading.Event | None = None, *, quiet_s: float = 0.5,
+                 device: torch.device | str | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.idle = idle
+        self.stop = stop or threading.Event()
+        self.quiet_s = quiet_s
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.paused = threading.Event()
+        self.pauses = self.ops = 0
+        self._held: Any = None  # the lock held by ``holding``, let go while paused
+
+    def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        self.check()
+        self.ops += 1
+        kwargs = kwargs or {}
+        if self.device.type == "cuda" and self.ops % SYNC_EVERY == 0:
+            torch.cuda.current_stream(self.device).synchronize()
+        if func in _SPLIT and not kwargs and args[-1].device.type == "cpu" and _flops(func, args) > SPLIT_FLOPS:
+            return _SPLIT[func](self, *args)
+        return func(*args, **kwargs)
+
+    def check(self) -> None:
+        """Return at once when no request computes; else wait (the model lock let go) until none has for ``quiet_s``;
+        :class:`Stopped` when asked to stop."""
+        if self.stop.is_set():
+            raise Stopped
+        if self.idle.is_set():
+            return
+        held, self.pauses = self._held, self.pauses + 1
+        if held is not None:
+            held.release()
+        try:
+            self.wait_quiet()
+        finally:
+            if held is not None:
+                held.acquire()
+
+    def wait_quiet(self) -> None:
+        """Wait until no request has computed for ``quiet_s`` (``paused`` set meanwhile; :class:`Stopped` when asked
+        to stop)."""
+        self.paused.set()
+        try:
+            while True:
+                if self.stop.is_set():
+                    raise Stopped
+                if self.idle.wait(timeout=0.5) and not self.stop.wait(self.quiet_s) and self.idle.is_set():
+                    return
+        finally:
+            self.paused.clear()
+
+    @contextlib.contextmanager
+    def holding(self, lock: Any) -> Iterator[None]:
+        """Hold ``lock`` (the model's) once no request computes; let go of it whenever the thread pauses."""
+        while True:
+            self.wait_quiet()
+            lock.acquire()
+            if self.idle.is_set():
+                break
+            lock.release()
+        self._held = lock
+        try:
+            yield
+        finally:
+            self._held = None
+            lock.release()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Run the block's torch ops under this mode (and, on a GPU, on a stream of their own)."""
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), self:
+            yield
+        if stream is not None:
+            stream.synchronize()
+
+
+def _flops(func: Any, args: tuple[Any, ...]) -> float:
+    """A matrix product's flops (float64 counted twice: it runs at about half the rate)."""
+    a, b = (args[1], args[2]) if func is torch.ops.aten.addmm.default else (args[0], args[1])
+    scale = 2.0 if a.dtype == torch.float64 else 1.0
+    return scale * 2.0 * a.numel() * b.shape[-1]
+
+
+def _blocks(self: Yielding, rows: int, flops: float) -> Iterator[tuple[int, int]]:
+    """Row blocks of a product of ``flops`` over ``rows`` rows, each under ``SPLIT_FLOPS``, a check before each but the first."""
+    step = max(1, int(rows * SPLIT_FLOPS // max(flops, 1.0)))
+    for i in range(0, rows, step):
+        if i:
+            self.check()
+        yield i, min(i + step, rows)
+
+
+def _mm(self: Yielding, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    for i, j in _blocks(self, a.shape[0], _flops(torch.ops.aten.mm.default, (a, b))):
+        torch.mm(a[i:j], b, out=out[i:j])
+    return out
+
+
+def _addmm(self: Yielding, bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    rows = bias.dim() == 2 and bias.shape[0] == a.shape[0] > 1
+    for i, j in _blocks(self, a.shape[0], _flops(torch.ops.aten.addmm.default, (bias, a, b))):
+        torch.addmm(bias[i:j] if rows else bias, a[i:j], b, out=out[i:j])
+    return out
+
+
+def _bmm(self: Yielding, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.bmm(a[:, i:j], b) for i, j in _blocks(self, a.shape[1], _flops(torch.ops.aten.bmm.default, (a, b)))], dim=1)
+
+
+#: The products split on the CPU (their default overloads: no ``beta``/``alpha``, no ``out``).
+_SPLIT: dict[Any, Callable[..., torch.Tensor]] = {
+    torch.ops.aten.mm.default: _mm,
+    torch.ops.aten.addmm.default: _addmm,
+    torch.ops.aten.bmm.default: _bmm,
+}

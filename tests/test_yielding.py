@@ -1,0 +1,86 @@
+"""Background torch work that gives way to requests (``engine/yielding.py``): it pauses before its next op while a
+request computes, lets go of the model lock meanwhile, and splits large products on the CPU without changing them."""
+
+import threading
+
+import pytest
+import torch
+
+from cachegen_core.engine import yielding
+from cachegen_core.engine.yielding import Stopped, Yielding
+
+
+def test_products_split_in_blocks_of_rows_equal_the_whole_forward_and_backward(monkeypatch):
+    monkeypatch.setattr(yielding, "SPLIT_FLOPS", 1e4)  # every product below is split
+    checks = []
+    idle = threading.Event()
+    idle.set()
+    y = Yielding(idle)
+    monkeypatch.setattr(y, "check", lambda: checks.append(1))
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(50, 30, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(30, 20, dtype=torch.float64, generator=g)
+    bias = torch.randn(20, dtype=torch.float64, generator=g)
+    x, w = torch.randn(4, 50, 30, dtype=torch.float64, generator=g), torch.randn(4, 30, 20, dtype=torch.float64, generator=g)
+    lin = torch.nn.Linear(30, 20).double()
+
+    def work():
+        outs = [a @ b, torch.addmm(bias, a, b), torch.addmm(torch.ones(50, 20, dtype=torch.float64), a, b), lin(a), torch.bmm(x, w)]
+        return outs, torch.autograd.grad((lin(a) ** 2).sum() + (a @ b).sum(), a)[0]
+
+    want, want_grad = work()
+    with y.active():
+        got, got_grad = work()
+    assert len(checks) > y.ops  # a check before every op, and more between the blocks of the split products
+    for u, v in zip(want + [want_grad], got + [got_grad]):
+        torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+
+
+def test_a_paused_thread_lets_go_of_the_lock_and_goes_on_once_requests_are_done():
+    idle, lock = threading.Event(), threading.Lock()
+    idle.set()
+    y = Yielding(idle, quiet_s=0.0)
+    step, ran, results = threading.Event(), [], []
+
+    def background():
+        with y.active(), y.holding(lock):
+            ran.append(torch.ones(3).sum().item())
+            step.wait(60)
+            ran.append(torch.ones(3).sum().item())  # paused here while the "request" runs
+        results.append("done")
+
+    t = threading.Thread(target=background)
+    t.start()
+    while not ran:
+        t.join(0.01)
+    idle.clear()  # a request starts
+    step.set()
+    assert y.paused.wait(60)
+    assert lock.acquire(timeout=60)  # let go while paused: the request takes the model
+    assert len(ran) == 1 and y.pauses == 1
+    lock.release()
+    idle.set()  # the request is done
+    t.join(60)
+    assert ran == [3.0, 3.0] and results == ["done"] and not y.paused.is_set()
+
+
+def test_stop_ends_a_paused_thread():
+    idle, stop = threading.Event(), threading.Event()
+    y = Yielding(idle, stop, quiet_s=0.0)
+    errors = []
+
+    def background():
+        try:
+            with y.active():
+                torch.ones(2) + 1
+        except Stopped as e:
+            errors.append(e)
+
+    t = threading.Thread(target=background)
+    t.start()
+    assert y.paused.wait(60)  # no request ever ends
+    stop.set()
+    t.join(60)
+    assert not t.is_alive() and len(errors) == 1
+    with pytest.raises(Stopped), y.active():
+        torch.ones(1) * 2
