@@ -2,7 +2,7 @@
 
 Every coded token of a chunk is quantised on its own (no anchors or deltas: on the
 reference model a token's difference from a neighbour has more variance than the token
-about the chunk mean, ``docs/results.md``): symbol ``s = round(c / step) + 128`` with
+about the chunk mean, ``docs/history/``): symbol ``s = round(c / step) + 128`` with
 ``|s - 128| <= 127``, value ``(s - 128) * step``. The entropy coder's tables, fitted per
 component, make a component whose spread is far below its step cost almost nothing.
 

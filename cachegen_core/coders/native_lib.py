@@ -183,7 +183,7 @@ LUT_BUDGET_BYTES = 64 << 20
 def lut_bits_for(n_tables: int) -> int:
     """CPU slot-lookup resolution: the finest of 12, 10, 8 bits whose lookups fit in 64 MiB.
 
-    Measured on real and 7B-shaped chunks (docs/results.md): finer lookups mean fewer
+    Measured on real and 7B-shaped chunks (docs/history/): finer lookups mean fewer
     bisection steps, coarser ones fewer cache misses when there are many tables.
     ``CACHEGEN_LUT_BITS`` overrides (for measurements).
     """

@@ -3,7 +3,7 @@
 A prompt's KV buffer is big (142 MB for 3K tokens of the reference model in float32, 355 MB for
 7.7K), and the first write into fresh memory faults every page in: on 2 cores that cost 26 ms
 of the 35 ms it took to copy a 3K context's cached KV into a new buffer, 9 ms once the pages
-were mapped (``docs/results.md``). The engine takes each request's buffer from the pool and gives
+were mapped (``docs/history/``). The engine takes each request's buffer from the pool and gives
 it back when nothing else can still read it (no chunk of it queued for the writer).
 """
 

@@ -1,7 +1,7 @@
 """HotTier: a chunk's first-stage blobs and manifest, readable by the engine while its writer stores them.
 
 On a local store whose ``put`` costs real time (the disk store: 40 ms per 35 MB raw chunk on the
-development machine's ext4, more while the kernel writes back; ``docs/results.md``) a miss used to
+development machine's ext4, more while the kernel writes back; ``docs/history/``) a miss used to
 write its chunks' 16-bit form before returning, so that the next request would find them. Now the
 writer encodes that form before returning (a conversion and a checksum), keeps the bytes here, and
 its background worker puts them into the store; this engine's reader looks here before the store, so

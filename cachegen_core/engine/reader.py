@@ -7,7 +7,7 @@ several prompts' chunks under the controller (a chunk shared by prompts goes onc
 controller plans with into the shared :class:`CostModel`. On a store that hands back the very objects it
 holds (``shares_values``: the in-process memory store), the blobs of the last stream are kept with their
 verification, and a later fetch that returns the same (immutable) object is not hashed again: on a 3K
-context that check was 7 of the 17 ms the memory store's raw chunks took (``docs/results.md``). Failures
+context that check was 7 of the 17 ms the memory store's raw chunks took (``docs/history/``). Failures
 never escape: a bad blob or a store error is reported in the request's ``GenerationInfo`` and the chunks
 from there on are left to be recomputed.
 """

@@ -200,7 +200,7 @@ class ChunkWriter:
         and return False): it stays reusable, at a level's size and decode time. Its manifest is rewritten first,
         so a reader never asks for a deleted blob (one that read the old manifest just before gets a plain miss).
         The raw form of a partial chunk is the next turn's fast path, useless once a longer one extends it; kept,
-        it was ~3/4 of a chat's stored bytes (``docs/results.md``, "A chat's next turn")."""
+        it was ~3/4 of a chat's stored bytes (``docs/history/``)."""
         sizes = self._stored(chunk)
         levels = {o: n for o, n in sizes.items() if o not in RAW_OPTIONS}
         if len(levels) == len(sizes) or not any(rank(o) <= rank(floor) for o in levels):

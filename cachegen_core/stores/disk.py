@@ -199,7 +199,7 @@ class DiskCacheStore(BaseKVStore):
     def read_into(self, key: str, buffer: bytearray) -> memoryview | bytes | None:
         """The value of ``key``, read into ``buffer`` when it is a file that fits (a view of its first bytes),
         else as ``get`` returns it; None when absent. For big values read again and again: ``get`` returns
-        each in fresh memory, whose pages the kernel faults in and zeroes first (``docs/results.md``)."""
+        each in fresh memory, whose pages the kernel faults in and zeroes first (``docs/history/``)."""
         full = self._full(key)
         with self._errors("read_into"):
             try:
