@@ -28,7 +28,7 @@ WARM_PATH = [
 ]
 #: (file, {method: legend label}) per quality run drawn: 13 held-out transcripts, the older baselines on 2.
 QUALITY = [
-    ("quality_size_v3_held_out_profile_v5.jsonl", {"cachegen": "cachegen"}),
+    ("quality_size_v3_held_out_2026-11-29.jsonl", {"cachegen": "cachegen"}),
     *((f"quality_size_v2_c{c}_held_out13.jsonl", {"uniform8": "uniform8"}) for c in (1536, 4096, 7680)),
     ("quality_size_v2.jsonl", {m: f"{m} (2 transcripts)" for m in ("uniform4", "kivi4", "kivi2", "quanto4", "quanto2")}),
 ]
