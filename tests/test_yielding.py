@@ -11,7 +11,8 @@ from cachegen_core.engine.yielding import Stopped, Yielding
 
 
 def test_products_split_in_blocks_of_rows_equal_the_whole_forward_and_backward(monkeypatch):
-    monkeypatch.setattr(yielding, "SPLIT_FLOPS", 1e4)  # every product below is split
+    monkeypatch.setattr(yielding, "BLOCK_S", 1e-9)  # every product below is split, a row a block
+    monkeypatch.setattr(yielding, "_RATES", {})
     checks = []
     idle = threading.Event()
     idle.set()
@@ -34,6 +35,30 @@ def test_products_split_in_blocks_of_rows_equal_the_whole_forward_and_backward(m
     assert len(checks) > y.ops  # a check before every op, and more between the blocks of the split products
     for u, v in zip(want + [want_grad], got + [got_grad]):
         torch.testing.assert_close(u, v, rtol=1e-12, atol=1e-12)
+
+
+def test_blocks_are_sized_by_the_rate_measured_for_the_dtype(monkeypatch):
+    """A product of a dtype this CPU computes slowly (16-bit floats without native support: 100x float32's time) is
+    split into blocks of about ``BLOCK_S``, each timed; a fast rate measured makes the next blocks larger."""
+    monkeypatch.setattr(yielding, "_RATES", {torch.float32: 1e6})  # as if float32 products ran at 1 MFLOP/s here
+    checks = []
+    idle = threading.Event()
+    idle.set()
+    y = Yielding(idle)
+    monkeypatch.setattr(y, "check", lambda: checks.append(1))
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(512, 64, generator=g), torch.randn(64, 64, generator=g)
+    with y.active():
+        got = a @ b
+    torch.testing.assert_close(got, a @ b)
+    blocks = len(checks) - y.ops + 1
+    assert 2 <= blocks < 512 / 6  # split (first block: 6 rows at 1 MFLOP/s), later blocks larger once timed
+    assert yielding._RATES[torch.float32] > 1e7  # what the blocks measured replaced the pretended rate
+    checks.clear()
+    ops = y.ops
+    with y.active():
+        a[:8] @ b  # 65 kflop: well under two blocks at the measured rate, not split
+    assert len(checks) == y.ops - ops == 2  # a check per op (the slice, the product), none between blocks
 
 
 def test_a_paused_thread_lets_go_of_the_lock_and_goes_on_once_requests_are_done():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,9 +30,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 #: On a GPU, the ops a background thread may queue before it waits for them.
 SYNC_EVERY = 16
-#: On the CPU, a matrix product of more float32 flops than this is computed in blocks of rows, checking between them
-#: (a 7B model's MLP over a 1024-token piece is one 92 GFLOP product: 4 s of 2 cores; its vocabulary projection 16 s).
-SPLIT_FLOPS = 2e9
+#: On the CPU, a matrix product that would take longer than about twice this is computed in blocks of rows of about
+#: this many seconds, checking between them (a 7B model's MLP over a 1024-token piece is one 92 GFLOP product: 4 s of 2
+#: cores in float32; a 2-layer model's vocabulary projection over 1024 tokens, 12.9 GFLOP, took 26 s in bfloat16 on
+#: a 2-core AMD EPYC without native 16-bit products, 0.32 s in float32).
+BLOCK_S = 0.05
+#: What a CPU product's rate is assumed to be, flops per second, until one of that dtype was timed (float32: 2 cores of
+#: the project's CI box; any other dtype: as slow as a CPU without native 16-bit products, so it is split from the start).
+PRIOR_RATES = {torch.float32: 40e9, torch.float64: 20e9}
+PRIOR_RATE = 0.5e9
+#: The rate of each dtype's products measured on this CPU: that of its last block (a block slowed by other work makes
+#: the next ones smaller, never a request's wait longer).
+_RATES: dict[torch.dtype, float] = {}
 
 
 _WORKERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -83,7 +93,7 @@ class Yielding(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.device.type == "cuda" and self.ops % SYNC_EVERY == 0:
             torch.cuda.current_stream(self.device).synchronize()
-        if func in _SPLIT and not kwargs and args[-1].device.type == "cpu" and _flops(func, args) > SPLIT_FLOPS:
+        if func in _SPLIT and not kwargs and args[-1].device.type == "cpu" and _flops(func, args) > 2 * BLOCK_S * rate(args[-1].dtype):
             return _SPLIT[func](self, *args)
         return func(*args, **kwargs)
 
@@ -142,25 +152,34 @@ class Yielding(TorchDispatchMode):
             stream.synchronize()
 
 
+def rate(dtype: torch.dtype) -> float:
+    """Flops per second of a CPU product in ``dtype``: as measured, else the prior."""
+    return _RATES.get(dtype) or PRIOR_RATES.get(dtype, PRIOR_RATE)
+
+
 def _flops(func: Any, args: tuple[Any, ...]) -> float:
-    """A matrix product's flops (float64 counted twice: it runs at about half the rate)."""
+    """A matrix product's flops."""
     a, b = (args[1], args[2]) if func is torch.ops.aten.addmm.default else (args[0], args[1])
-    scale = 2.0 if a.dtype == torch.float64 else 1.0
-    return scale * 2.0 * a.numel() * b.shape[-1]
+    return 2.0 * a.numel() * b.shape[-1]
 
 
-def _blocks(self: Yielding, rows: int, flops: float) -> Iterator[tuple[int, int]]:
-    """Row blocks of a product of ``flops`` over ``rows`` rows, each under ``SPLIT_FLOPS``, a check before each but the first."""
-    step = max(1, int(rows * SPLIT_FLOPS // max(flops, 1.0)))
-    for i in range(0, rows, step):
+def _blocks(self: Yielding, rows: int, flops: float, dtype: torch.dtype) -> Iterator[tuple[int, int]]:
+    """Row blocks of a product of ``flops`` over ``rows`` rows, each of about ``BLOCK_S`` at the rate measured for
+    ``dtype`` (each block timed: the rate), a check before each but the first."""
+    per_row, i = max(flops / max(rows, 1), 1.0), 0
+    while i < rows:
         if i:
             self.check()
-        yield i, min(i + step, rows)
+        j = min(rows, i + max(1, int(BLOCK_S * rate(dtype) / per_row)))
+        t = time.perf_counter()
+        yield i, j
+        _RATES[dtype] = max(per_row * (j - i) / max(time.perf_counter() - t, 1e-9), 1e6)
+        i = j
 
 
 def _mm(self: Yielding, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = a.new_empty((a.shape[0], b.shape[1]))
-    for i, j in _blocks(self, a.shape[0], _flops(torch.ops.aten.mm.default, (a, b))):
+    for i, j in _blocks(self, a.shape[0], _flops(torch.ops.aten.mm.default, (a, b)), a.dtype):
         torch.mm(a[i:j], b, out=out[i:j])
     return out
 
@@ -168,13 +187,13 @@ def _mm(self: Yielding, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _addmm(self: Yielding, bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = a.new_empty((a.shape[0], b.shape[1]))
     rows = bias.dim() == 2 and bias.shape[0] == a.shape[0] > 1
-    for i, j in _blocks(self, a.shape[0], _flops(torch.ops.aten.addmm.default, (bias, a, b))):
+    for i, j in _blocks(self, a.shape[0], _flops(torch.ops.aten.addmm.default, (bias, a, b)), a.dtype):
         torch.addmm(bias[i:j] if rows else bias, a[i:j], b, out=out[i:j])
     return out
 
 
 def _bmm(self: Yielding, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.bmm(a[:, i:j], b) for i, j in _blocks(self, a.shape[1], _flops(torch.ops.aten.bmm.default, (a, b)))], dim=1)
+    return torch.cat([torch.bmm(a[:, i:j], b) for i, j in _blocks(self, a.shape[1], _flops(torch.ops.aten.bmm.default, (a, b)), a.dtype)], dim=1)
 
 
 #: The products split on the CPU (their default overloads: no ``beta``/``alpha``, no ``out``).
