@@ -247,7 +247,8 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--no-task", action="store_true", help="skip the LongChat question")
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--profile", default=None, help="a profile file to code with (default: the model's, found as an engine finds it)")
+    ap.add_argument("--profile", default=None, help="a profile file to code with, under the codec configuration it was fitted for "
+                    "(default: the model's, found as an engine finds it)")
     ap.add_argument("--zstd-level", type=int, default=19)
     ap.add_argument("--methods", nargs="+", default=None, help="only these methods (fp16, the reference, always runs)")
     ap.add_argument("--plot", default=None)
@@ -273,8 +274,8 @@ def run(args: argparse.Namespace, out: Rows) -> None:
 
     model, tok = load(args.model)
     fp = model_fingerprint(model, tok)
-    config = CodecConfig()
-    profile = None if args.no_profile else Profile.load(args.profile) if args.profile else find_profile(fp, config)
+    profile = None if args.no_profile else Profile.load(args.profile) if args.profile else find_profile(fp, CodecConfig())
+    config = CodecConfig(**profile.meta["codec_config"]) if args.profile and profile else CodecConfig()  # a given profile's own
     print(f"# profile: {profile.id if profile else 'none (classes picked on each chunk)'}", file=sys.stderr)
     codec = KVCodec(config, profile, fingerprint=fp)
     records = read_jsonl(args.data)[args.first : args.last]

@@ -106,7 +106,8 @@ def test_forged_blob_is_never_decoded_with_a_key(tiny_llama, tiny_tokenizer, how
             assert text == expected and info.cached_tokens == 0 and not info.errors
             # the engine stored the recomputed chunks (signed): forge their blobs again under its manifests
             inner.put_many(list(zip([blob_key(c.key, eng.level) for c in eng.chunks(prompt)], planted)))
-    assert not decoded, "a forged blob reached the decoder"
+    assert not set(decoded) & set(planted), "a forged blob reached the decoder"
+    # (the engine's own signed chunks, stored again after each request, may be decoded: its cost probes time them)
     assert eng.store.rejected >= 3
     assert sum("never decoded" in r.getMessage() for r in caplog.records) == 1  # once, not per request
 
