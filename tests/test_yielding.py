@@ -10,14 +10,20 @@ from cachegen_core.engine import yielding
 from cachegen_core.engine.yielding import Stopped, Yielding
 
 
-def test_products_split_in_blocks_of_rows_equal_the_whole_forward_and_backward(monkeypatch):
-    monkeypatch.setattr(yielding, "BLOCK_S", 1e-9)  # every product below is split, a row a block
-    monkeypatch.setattr(yielding, "_RATES", {})
-    checks = []
+def counting(monkeypatch) -> tuple[Yielding, list[int]]:
+    """A ``Yielding`` with no request ever computing, its checks counted (one per op, one between product blocks)."""
+    checks: list[int] = []
     idle = threading.Event()
     idle.set()
     y = Yielding(idle)
     monkeypatch.setattr(y, "check", lambda: checks.append(1))
+    return y, checks
+
+
+def test_products_split_in_blocks_of_rows_equal_the_whole_forward_and_backward(monkeypatch):
+    monkeypatch.setattr(yielding, "BLOCK_S", 1e-9)  # every product below is split, a row a block
+    monkeypatch.setattr(yielding, "_RATES", {})
+    y, checks = counting(monkeypatch)
     g = torch.Generator().manual_seed(0)
     a = torch.randn(50, 30, dtype=torch.float64, generator=g, requires_grad=True)
     b = torch.randn(30, 20, dtype=torch.float64, generator=g)
@@ -41,11 +47,7 @@ def test_blocks_are_sized_by_the_rate_measured_for_the_dtype(monkeypatch):
     """A product of a dtype this CPU computes slowly (16-bit floats without native support: 100x float32's time) is
     split into blocks of about ``BLOCK_S``, each timed; a fast rate measured makes the next blocks larger."""
     monkeypatch.setattr(yielding, "_RATES", {torch.float32: 1e6})  # as if float32 products ran at 1 MFLOP/s here
-    checks = []
-    idle = threading.Event()
-    idle.set()
-    y = Yielding(idle)
-    monkeypatch.setattr(y, "check", lambda: checks.append(1))
+    y, checks = counting(monkeypatch)
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(512, 64, generator=g), torch.randn(64, 64, generator=g)
     with y.active():
