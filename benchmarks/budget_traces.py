@@ -23,12 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachegen_core.codec.config import CodecConfig
 from cachegen_core.errors import CacheGenFormatError, StoreError
 from cachegen_core.keys.manifest import Manifest
 
 CHUNK = 1536
 STEP = 64
-RAW, LEVEL = "raw", 1
+RAW, LEVEL = "raw", CodecConfig().default_level  # the engine's default level (1 until 2026-11-29)
 FORMS = (RAW, LEVEL)
 
 

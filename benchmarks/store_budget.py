@@ -6,12 +6,12 @@ of the working set's fp16 bytes, over three traces (issue 31). A benchmark a cac
 Policies (every one a real ``DiskCacheStore``, the default store):
 
 - ``fp16-only``: the 16-bit form alone, least recently used evicted first (diskcache's LRU): plain fp16 KV;
-- ``today``: the raw form and level 1 in one eviction order, oldest stored first (the store before tiers);
+- ``today``: the raw form and the default level in one eviction order, oldest stored first (the store before tiers);
 - ``today-lru``: the same, least recently used first (what tiers add beyond LRU);
-- ``tiered``: the default store: the raw form and level 1 in two tiers, raw forms evicted first (in the
+- ``tiered``: the default store: the raw form and the default level in two tiers, raw forms evicted first (in the
   room the levels leave; ``--raw-share`` keeps a share of the budget for them, default none);
 - ``tiered-reserve``: the same with 20 % of the budget kept for raw forms;
-- ``levels-only``: level 1 alone (``store_options=[1]``).
+- ``levels-only``: the default level alone (``store_options=[level]``).
 
 Traces: ``zipf``, ``--contexts`` distinct contexts of 3-8K tokens (``--lengths``) requested in Zipf(1.0) order; ``chat``,
 ``--chats`` conversations growing by ``--growth`` tokens a turn, interleaved; ``rag``, questions over 4 of
@@ -21,7 +21,7 @@ What is measured, on this machine, with the real model and engine, its codec the
 model's profile; before 2026-11-28 none) (``measure``): on ``--measure``
 contexts of the data (3-8K tokens, a question after them), the engine's TTFT with the first k stored
 units reused (complete 1536-token chunks, then the partial chunk), less their fetch and decode:
-the prefill; each unit's fetch + decode on a disk store in the raw form and at level 1 (as the engine
+the prefill; each unit's fetch + decode on a disk store in the raw form and at the default level (as the engine
 records them in warm requests of engines that store only that form: the median of ``--reps``, after a
 warm-up request); each form's blob bytes; a disk store's read of an absent key (the cost of a lost form); a
 RAG prompt's TTFT with every document cached (blend) and with none. These are fitted:
@@ -217,8 +217,8 @@ def targets(rows: list[dict[str, Any]], trace: str) -> dict[str, Any]:
 
 
 #: The policies in a plot's legend.
-LABELS = {"fp16-only": "fp16 only", "today": "raw + level 1, oldest out", "today-lru": "raw + level 1, LRU",
-          "tiered": "tiered (default)", "tiered-reserve": "tiered, 20 % for raw", "levels-only": "level 1 only"}  # fmt: skip
+LABELS = {"fp16-only": "fp16 only", "today": "raw + level, oldest out", "today-lru": "raw + level, LRU",
+          "tiered": "tiered (default)", "tiered-reserve": "tiered, 20 % for raw", "levels-only": "level only"}  # fmt: skip
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:

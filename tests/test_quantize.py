@@ -75,6 +75,10 @@ def test_levels_get_coarser():
     weighted = [cfg.level_step(lv, fitted=False, weighted=True) for lv in range(cfg.n_levels)]
     assert weighted[0] == cfg.levels[0] and weighted[1:] == [s * cfg.weighted_scale for s in cfg.levels[1:]]
     assert cfg.level_step(1, weighted=True) == cfg.levels[1]  # a profile's steps are never scaled
+    # Without a profile the default level keeps the steps its quality was measured at (docs/results.md, "Without a
+    # profile"), set when level 1 (step 0.085) was the default, scaled 2.356x plain and 3.176x weighted.
+    assert cfg.level_step(cfg.default_level, fitted=False) == pytest.approx(0.085 * 2.356, rel=1e-12)
+    assert cfg.level_step(cfg.default_level, fitted=False, weighted=True) == pytest.approx(0.085 * 3.176, rel=1e-12)
     for bad in (dict(unprofiled_scale=0.0), dict(weighted_scale=-1.0), dict(weighted_scale=float("inf"))):
         with pytest.raises(ValueError, match="unprofiled_scale and weighted_scale"):
             CodecConfig(**bad)

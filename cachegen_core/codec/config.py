@@ -13,8 +13,10 @@ from .classes import DEFAULT_CLASSES, digest
 #: units of the RMS of the Fisher-weighted components (``transform.py``), the same for every
 #: component of every layer; without one, in units of the RMS of each layer's channels.
 #: Chosen on SmolLM2-135M (``docs/history/2026-11-24-results-journal.md``, "Codec v2"; level 1 moved from 0.075 to 0.085 with
-#: codec v3's fixed tables; level 2 added with the transform across heads, 2026-11-28: on the tuning
-#: transcripts 10-11 at C = 4096 level 1 codes 3.21 bits at 99.2 % top-1, a step of 0.1 3.00 bits).
+#: codec v3's fixed tables; level 2 added with the transform across heads, 2026-11-28). Level 2 is the default since
+#: 2026-11-29: with the profile's per-layer steps it codes held-out transcripts in 2.93-2.96 bits per element within
+#: every quality target level 1 was chosen for (>= 99.0 % top-1, <= +0.5 % ppl, KL <= 0.41 mnat per token;
+#: ``docs/history/2026-11-28-bits-per-element.md``), 8 % fewer bits than level 1.
 DEFAULT_LEVELS: tuple[float, ...] = (0.03, 0.085, 0.104, 0.16, 0.34)
 TRANSFORMS = ("fisher-klt", "pca", "none")
 
@@ -41,22 +43,24 @@ class CodecConfig:
     ``table_classes``: how many frequency tables code every component (``classes.py``: discrete
     Gaussian laws at log-spaced scales; a profile or the blob names each component's).
     ``unprofiled_scale``: without a profile the step of a level above 0 is this many times its
-    step (in units of each layer's RMS): level 1's is 0.2, measured so that the default level costs
+    step (in units of each layer's RMS): the default level's is 0.2, measured so that it costs
     ~4.25 bits per element without a profile at 99.0 % top-1 (``docs/results.md``);
-    ``weighted_scale``: the same factor when the codec has step weights (``weights.py``): level 1's is
-    0.27, chosen on the tuning transcripts 0-11 for ~3.85 bits at 99.1-99.2 % top-1 (2026-11-27).
+    ``weighted_scale``: the same factor when the codec has step weights (``weights.py``): the default
+    level's is 0.27, chosen on the tuning transcripts 0-11 for ~3.85 bits at 99.1-99.2 % top-1 (2026-11-27;
+    both factors were 2.356 and 3.176 while level 1, step 0.085, was the default: the default's step without a
+    profile is the same).
     """
 
     levels: tuple[float, ...] = field(default=DEFAULT_LEVELS)
-    default_level: int = 1
+    default_level: int = 2
     sink_tokens: int = 1
     step_cap: float = 0.0
     stream_symbols: int = 1 << 17
     transform: str = "fisher-klt"
     fisher_eps: float = 1.0
     group_channels: int = 256
-    unprofiled_scale: float = 2.356
-    weighted_scale: float = 3.176
+    unprofiled_scale: float = 0.085 * 2.356 / 0.104
+    weighted_scale: float = 0.085 * 3.176 / 0.104
     table_classes: int = DEFAULT_CLASSES
 
     def __post_init__(self) -> None:
