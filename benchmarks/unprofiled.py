@@ -1,20 +1,25 @@
 """Coding without a profile: plain steps, steps weighted by the model's measured sensitivity, a Hadamard rotation.
 
     python -m benchmarks.unprofiled [--quick] [--first 12 --last 25] [--contexts 1536 4096 7680] [--levels 1 2]
-        [--variants identity weighted hadamard identity:s=3.0 weighted:s=4.0] [--out F]
+        [--variants identity weighted refined hadamard identity:s=3.0 refined:g=1.1] [--out F]
 
 A codec with no profile codes each head's channels as they are (keys before the rotary
 embedding), with a step per layer (``CodecConfig.unprofiled_scale`` times the level's, in units
 of the layer's RMS): ``identity``. ``weighted`` is what an engine codes a model without a profile
-with (``engine.profiles.measure_weights``): the same, each component's step times its weight
+with (``engine.profiles.measure_weights``) when it is built: the same, each component's step times its weight
 (``codec.weights``), measured by ``codec.fitting.fit_weights`` (one Fisher draw on the first 640
 tokens of the shipped calibration text; its time is reported) and ``CodecConfig.weighted_scale``
-times the level's. The data-free alternative ``hadamard`` rotates every head's channels (keys
+times the level's. ``refined`` is what it codes with once it has measured each layer's sensitivity in the
+background (``codec.fitting.weights_by_layer``: the weights times a multiplier per kind and layer; its time is
+reported). The data-free alternative ``hadamard`` rotates every head's channels (keys
 before the rotary embedding) by ``H diag(signs) / sqrt(dim)``, ``H`` the Sylvester Hadamard
 matrix and the signs drawn from a seed of the codec id, as QuaRot and TurboQuant do before
 scalar quantisation; then the same steps and per-chunk table classes. ``name:s=X`` sets the
-variant's scale (``unprofiled_scale``, or ``weighted_scale`` for ``weighted``) to X; ``weighted:c=N``
-scores N continuation tokens in the Fisher draw (the engine's: 128), ``weighted:s=X,c=N`` both. Each context
+variant's scale (``unprofiled_scale``, or ``weighted_scale`` for ``weighted`` and ``refined``) to X;
+``c=N`` scores N continuation tokens in the Fisher draw (the engine's: 128); ``refined:`` also takes
+``weights_by_layer``'s options: ``p=P`` the power of the sensitivity (1), ``g=G`` the multipliers' geometric
+mean (``LAYER_GAIN``), ``l=L`` the level each layer is probed at (3), ``n=N`` the tokens scored (128);
+several at once: ``refined:s=X,p=1,g=1.1``. Each context
 is the first ``--contexts`` tokens of a transcript, coded in chunks of 1536; the next 256 tokens
 are scored teacher-forced on the reconstruction against the fp16 KV (as ``quality_size``). The
 rotated variant runs the codec's torch path (the native one-pass paths know only the identity):
@@ -72,7 +77,8 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--last", type=int, default=25, help="one past the last one")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096], help="tokens of each context (one run per length)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--variants", nargs="+", default=["identity", "weighted"], help="identity, weighted, hadamard, name:s=SCALE")
+    ap.add_argument("--variants", nargs="+", default=["identity", "weighted", "refined"],
+                    help="identity, weighted, refined, hadamard, name:s=SCALE (see the module doc)")
     return ap
 
 
@@ -85,20 +91,27 @@ def main(argv: list[str] | None = None) -> None:
         run(args, out)
 
 
+#: Options of ``weighted`` and ``refined`` naming ``fit_weights``' and ``weights_by_layer``'s arguments.
+FIT_OPTIONS = {"c": "continuation"}
+LAYER_OPTIONS = {"p": "power", "g": "gain", "l": "level", "n": "continuation"}
+INTEGERS = ("continuation", "level")
+
+
 def variant_options(variant: str) -> tuple[str, dict[str, float]]:
     """``name:s=X,c=N`` -> (name, {"s": X, "c": N}); ``SystemExit`` on an unknown name or option."""
     name, _, text = variant.partition(":")
     pairs = [o.partition("=") for o in text.split(",") if o]
-    allowed = {"s"} | ({"c"} if name == "weighted" else set())
+    allowed = {"s"} | ({"c"} if name in ("weighted", "refined") else set()) | ({"p", "g", "l", "n"} if name == "refined" else set())
     numbers = all(x.replace(".", "", 1).isdigit() for _, _, x in pairs)
-    if name not in ("identity", "weighted", "hadamard") or not {k for k, _, _ in pairs} <= allowed or not numbers:
-        raise SystemExit(f"unknown variant {variant!r}: identity, weighted or hadamard, with optional :s=SCALE (weighted also c=TOKENS)")
+    if name not in ("identity", "weighted", "refined", "hadamard") or not {k for k, _, _ in pairs} <= allowed or not numbers:
+        raise SystemExit(f"unknown variant {variant!r}: identity, weighted, refined or hadamard, with optional :s=SCALE "
+                         "(weighted and refined also c=TOKENS; refined also p=POWER, g=GAIN, l=PROBE_LEVEL, n=PROBE_TOKENS)")
     return name, {k: float(x) for k, _, x in pairs}
 
 
 def run(args: argparse.Namespace, out: Rows) -> None:
     from cachegen_core.codec.config import CodecConfig  # noqa: PLC0415
-    from cachegen_core.codec.fitting import fit_weights  # noqa: PLC0415
+    from cachegen_core.codec.fitting import fit_weights, weights_by_layer  # noqa: PLC0415
     from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
     from cachegen_core.codec.rotary import RotarySpec  # noqa: PLC0415
     class Rotated(KVCodec):
@@ -109,17 +122,26 @@ def run(args: argparse.Namespace, out: Rows) -> None:
     model, tok = load(args.model)
     rotary = RotarySpec.from_model(model)
     codecs, fitted = {}, {}
+
+    def measured(what: str, fn: Any, opts: dict[str, Any]) -> Any:
+        """``fn(**opts)``, once per ``what`` and options, its time emitted."""
+        key = (what, *sorted(opts.items()))
+        if key not in fitted:
+            t0 = time.perf_counter()
+            fitted[key] = fn(**opts)
+            out.emit({"what": what, **opts, "seconds": round(time.perf_counter() - t0, 2), "threads": torch.get_num_threads()})
+        return fitted[key]
+
     for v in args.variants:
         name, opts = variant_options(v)
-        kw = {("weighted_scale" if name == "weighted" else "unprofiled_scale"): opts["s"]} if "s" in opts else {}
+        kw = {("weighted_scale" if name in ("weighted", "refined") else "unprofiled_scale"): opts["s"]} if "s" in opts else {}
         weights = None
-        if name == "weighted":
-            c = int(opts["c"]) if "c" in opts else None  # None: the engine's
-            if c not in fitted:
-                t0 = time.perf_counter()
-                fitted[c] = fit_weights(model, tok, config=CodecConfig(), rotary=rotary, **({} if c is None else {"continuation": c}))
-                out.emit({"what": "fit_weights", "continuation": c, "seconds": round(time.perf_counter() - t0, 2), "threads": torch.get_num_threads()})
-            weights = fitted[c]
+        if name in ("weighted", "refined"):
+            fit = {FIT_OPTIONS[k]: int(x) for k, x in opts.items() if k in FIT_OPTIONS}  # absent: the engine's
+            weights = measured("fit_weights", lambda **o: fit_weights(model, tok, config=CodecConfig(), rotary=rotary, **o), fit)
+        if name == "refined":
+            by = {LAYER_OPTIONS[k]: (int(x) if LAYER_OPTIONS[k] in INTEGERS else x) for k, x in opts.items() if k in LAYER_OPTIONS}
+            weights = measured("weights_by_layer", lambda w=weights, **o: weights_by_layer(model, tok, w, config=CodecConfig(), rotary=rotary, **o), by)
         codec = (Rotated if name == "hadamard" else KVCodec)(CodecConfig(**kw), rotary=rotary, weights=weights)
         codecs[v] = (codec, name == "hadamard")
     records = read_jsonl(args.data)[args.first : args.last]

@@ -12,7 +12,7 @@ import torch
 
 from cachegen_core.codec import classes
 from cachegen_core.codec.config import CodecConfig
-from cachegen_core.codec.fitting import CALIBRATION, FitPlan, calibration_texts, fit_profile
+from cachegen_core.codec.fitting import CALIBRATION, FitPlan, calibration_texts, fit_profile, fit_weights, weights_by_layer
 from cachegen_core.codec.format import unpack
 from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.codec.profile import Profile
@@ -185,6 +185,29 @@ def test_an_engine_without_a_profile_fits_one_in_the_background_for_the_next(tin
     eng.close()
     quiet = KVEngine.from_pretrained(tiny_llama, tokenizer=tiny_tokenizer, store=MemoryStore(), auto_profile=False)
     assert quiet.profile_fitter is None and quiet.codec.profile is None
+
+
+def test_the_fitter_first_weights_an_engines_steps_by_each_layers_sensitivity(tiny_llama, tiny_tokenizer):
+    """An engine without a profile codes with step weights measured when it is built; before fitting the profile, the
+    fitter scales them by each (kind, layer)'s measured sensitivity (issue 48), which the engine codes with from then
+    on: its chunk keys stay, its chunks decode, a warm request reuses them."""
+    spec = RotarySpec.from_model(tiny_llama)
+    eng = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=64, background=False, level=2, store_options=[2])
+    w = fit_weights(tiny_llama, tiny_tokenizer, tiny_texts()[0], rotary=spec)
+    eng.codec.step_weights = w
+    prompt = words(3, 200)
+    keys = [c.key for c in eng.chunks(prompt)]
+    fitter = ProfileFitter(eng, texts=tiny_texts(), plan=PLAN, start_after_s=0.0, quiet_s=0.0)
+    assert fitter.done.wait(120) and fitter.weights_refined and fitter.profile is not None
+    ratio = eng.codec.step_weights / w
+    assert torch.allclose(ratio, ratio[:, :, :1, :1].expand_as(ratio), rtol=1e-5)  # one multiplier per (kind, layer)
+    assert ratio[:, :, 0, 0].std() > 0.05  # that differ across layers
+    again = weights_by_layer(tiny_llama, tiny_tokenizer, w, tiny_texts()[0], rotary=spec)
+    assert torch.equal(eng.codec.step_weights, again)  # weights_by_layer's, on the fitter's first text
+    assert [c.key for c in eng.chunks(prompt)] == keys and eng.codec.profile is None
+    eng.generate(prompt, max_new_tokens=2)  # stores the chunks, coded with the new weights
+    _, info = eng.generate(prompt, max_new_tokens=2)
+    assert info.cached_tokens >= 128 and set(info.levels) == {2}
 
 
 def test_the_background_fit_pauses_while_a_request_computes(tiny_llama, tiny_tokenizer):

@@ -106,6 +106,7 @@ def test_unprofiled_variant_options():
     assert variant_options("identity") == ("identity", {})
     assert variant_options("weighted:s=4.0,c=128") == ("weighted", {"s": 4.0, "c": 128.0})
     assert variant_options("hadamard:s=3") == ("hadamard", {"s": 3.0})
-    for bad in ("rotated", "identity:c=128", "weighted:x=1", "weighted:s=abc", "weighted:c=-5", "weighted:s"):
+    assert variant_options("refined:p=1,g=1.1,n=64,l=2,c=128") == ("refined", {"p": 1.0, "g": 1.1, "n": 64.0, "l": 2.0, "c": 128.0})
+    for bad in ("rotated", "identity:c=128", "identity:p=1", "weighted:p=1", "weighted:x=1", "weighted:s=abc", "weighted:c=-5", "weighted:s"):
         with pytest.raises(SystemExit, match="unknown variant"):
             variant_options(bad)

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from cachegen_core.codec.fitting import FitPlan, fit_profile
+from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.codec.pipeline import components, dequantise, quantise
 from cachegen_core.codec.rotary import RotarySpec
-from cachegen_core.codec.sensitivity import SPREAD, layer_multipliers, layer_sensitivity
-from cachegen_core.codec.transform import fit_transform, scale_layers
+from cachegen_core.codec.sensitivity import SPREAD, coded_layers, layer_multipliers, layer_sensitivity
+from cachegen_core.codec.transform import fit_transform, identity_transform, scale_layers
+from cachegen_core.kv import KVCache
 from cachegen_core.testing import make_tiny_tokenizer, words
 
 PLAN = FitPlan(texts=2, tokens=300, contexts=(96,), continuation=32, chunk_tokens=128, sensitivity_tokens=32)
@@ -63,6 +65,23 @@ def test_a_layer_coded_finely_costs_nothing_and_coarsely_costs_kl(tiny_llama, ti
     err = sum((dequantise(quantise(c, 0.5, fitted=True)) - c.values).square().sum((2, 3, 4))
               for c in (components(tiny_kv.slice(s, s + 64), t, start=s, sink_tokens=1, rotary=spec) for s in range(0, tiny_kv.num_tokens, 64)))
     assert torch.allclose(coarse_err.float(), err, rtol=1e-3)
+
+
+def test_without_a_profile_a_layer_coded_coarser_by_its_weight_costs_more_kl_at_the_same_whitened_error(tiny_llama, tiny_kv):
+    spec = RotarySpec.from_model(tiny_llama)
+    cont = make_tiny_tokenizer()(words(5, 40))["input_ids"][:32]
+    eye = identity_transform(tiny_kv.num_layers, tiny_kv.num_kv_heads, tiny_kv.head_dim)
+    w = torch.ones(2, tiny_kv.num_layers, tiny_kv.num_kv_heads, tiny_kv.head_dim)
+    args = dict(rotary=spec, sink_tokens=1, chunk_tokens=64)
+    kl1, err1 = layer_sensitivity(tiny_llama, tiny_kv, cont, eye, 0.1, weights=w, **args)
+    w[1, 0] = 2.0  # layer 0's values: twice the step
+    kl2, err2 = layer_sensitivity(tiny_llama, tiny_kv, cont, eye, 0.1, weights=w, **args)
+    assert torch.allclose(err2, err1, rtol=0.1)  # in units of each component's own step: about the same
+    assert kl2[1, 0] > 2 * kl1[1, 0] and torch.allclose(kl2[0], kl1[0])  # but the model pays several times more for it
+    codec = KVCodec(rotary=spec, weights=w)  # what it measures is what the codec codes
+    coded, _ = coded_layers(tiny_kv, eye, codec.config.level_step(1, fitted=False, weighted=True), weights=w, **args)
+    decoded = KVCache.concat([codec.decode(codec.encode(tiny_kv.slice(s, s + 64), 1, start=s)) for s in range(0, tiny_kv.num_tokens, 64)])
+    assert torch.allclose(coded.keys, decoded.keys.float(), atol=1e-5) and torch.allclose(coded.values, decoded.values.float(), atol=1e-5)
 
 
 def test_a_fit_with_layer_power_scales_each_layer_of_the_same_transform(tiny_llama):

@@ -7,7 +7,8 @@ that KV. The transform (``transform.fit_transform``) and the classes need no mor
 two texts of 4096 tokens fit the reference model in well under a minute of 2 cores
 (``docs/results.md``), on the calibration text shipped with the package (``calibration_texts``:
 two of the demo transcripts) when no other text is given. ``fit_weights`` measures, in one short
-Fisher draw, the step weights a codec without a profile codes with (``weights.py``).
+Fisher draw, the step weights a codec without a profile codes with (``weights.py``), and ``weights_by_layer``
+scales them by each layer's measured sensitivity (``sensitivity.py``).
 
 ``guard`` wraps every model call: an engine fitting in the background passes one that waits for
 its requests to finish and holds its model lock.
@@ -32,7 +33,7 @@ from .kvstats import KVStats
 from .profile import Profile
 from .rotary import RotarySpec
 from .sensitivity import layer_multipliers, layer_sensitivity
-from .transform import Transform, fit_transform, scale_layers
+from .transform import Transform, fit_transform, identity_transform, scale_layers
 from .weights import step_weights
 
 #: The calibration text shipped with the package (two of the demo transcripts; see its README).
@@ -155,13 +156,7 @@ def fit_weights(
     text is too short to score anything, or is one token repeated (a tokenizer that does not know its words:
     the KV would vary by rounding noise only)."""
     config = config or CodecConfig()
-    text = calibration_texts()[0] if text is None else text
-    ids = tokenizer(text)["input_ids"][: context + continuation]
-    n = len(ids) - continuation
-    if n < config.sink_tokens + 2:
-        raise ValueError(f"fit_weights needs a text of at least {config.sink_tokens + 2 + continuation} tokens")
-    if len(set(ids)) < 2:
-        raise ValueError(f"the text is token {ids[0]} repeated for this tokenizer: nothing to measure the model's sensitivity on")
+    ids, n = _weights_text(tokenizer, text, config, context, continuation)
     device = getattr(model, "device", torch.device("cpu"))
     kv = _prefill(model, ids[:n], n, contextlib.nullcontext)
     stats = KVStats.empty(kv.num_layers, kv.num_kv_heads, kv.head_dim)
@@ -169,6 +164,58 @@ def fit_weights(
     stats.add_fisher(model, kv.to(device), ids[n:], rotary=rotary, sink_tokens=config.sink_tokens,
                      generator=torch.Generator(device=device).manual_seed(seed))  # fmt: skip
     return step_weights(stats.fisher.diagonal(dim1=-2, dim2=-1), stats.covariance.diagonal(dim1=-2, dim2=-1), config.fisher_eps)
+
+
+#: The geometric mean of ``weights_by_layer``'s multipliers. 1: about the bits of the weights alone at a lower KL
+#: (tuning transcripts: -24 % at the default level, -0.7 % bits); a larger mean trades that back for bits, but on
+#: the tuning transcripts 1.1 and 1.2 fell below 99.0 % top-1 (``docs/history/2026-11-28-bits-per-element.md``, 2026-11-29).
+LAYER_GAIN = 1.0
+
+
+def weights_by_layer(
+    model: Any,
+    tokenizer: Any,
+    weights: torch.Tensor,
+    text: str | None = None,
+    config: CodecConfig | None = None,
+    *,
+    rotary: RotarySpec | None = None,
+    context: int = 512,
+    continuation: int = 128,
+    level: int = 3,
+    power: float = 1.0,
+    gain: float = LAYER_GAIN,
+    guard: Callable[[], ContextManager[Any]] | None = None,
+) -> torch.Tensor:
+    """``weights`` (``fit_weights``': per component, within a layer) times a step multiplier per (kind, layer)
+    from the layer's measured sensitivity (``sensitivity.layer_sensitivity``: each layer alone coded as a codec
+    without a profile codes it at ``level``, the KL of the next ``continuation`` tokens per unit of its weighted
+    squared error), to the power ``-power / 2``, their geometric mean ``gain``. The Fisher behind the weights is
+    the model's around one layer at a time; the KL across layers, measured, puts the error where the model minds
+    it least (values ~3x keys, the first layers several times the last). One forward pass per kind and layer on
+    the same text as ``fit_weights`` (``2 x layers + 1`` passes of ``continuation`` tokens after ``context``):
+    36 s for the reference model on 2 CPU cores, which is why an engine measures it in the background
+    (``engine/profiles.py``). ``guard`` wraps every model call."""
+    config = config or CodecConfig()
+    guard = guard or contextlib.nullcontext
+    ids, n = _weights_text(tokenizer, text, config, context, continuation)
+    kv = _prefill(model, ids[:n], n, guard)
+    kl, err = layer_sensitivity(model, kv, ids[n:], identity_transform(kv.num_layers, kv.num_kv_heads, kv.head_dim),
+                                config.level_step(level, fitted=False, weighted=True), rotary=rotary,
+                                sink_tokens=config.sink_tokens, chunk_tokens=n, guard=guard, weights=weights)  # fmt: skip
+    return (weights * (gain * layer_multipliers(kl, err, power))[:, :, None, None]).contiguous()
+
+
+def _weights_text(tokenizer: Any, text: str | None, config: CodecConfig, context: int, continuation: int) -> tuple[list[int], int]:
+    """The token ids ``fit_weights`` and ``weights_by_layer`` measure on, and how many of them are the context."""
+    text = calibration_texts()[0] if text is None else text
+    ids = tokenizer(text)["input_ids"][: context + continuation]
+    n = len(ids) - continuation
+    if n < config.sink_tokens + 2:
+        raise ValueError(f"fit_weights needs a text of at least {config.sink_tokens + 2 + continuation} tokens")
+    if len(set(ids)) < 2:
+        raise ValueError(f"the text is token {ids[0]} repeated for this tokenizer: nothing to measure the model's sensitivity on")
+    return ids, n
 
 
 def _sensitive_layers(model: Any, ids: list[list[int]], caches: list[KVCache], transform: Transform, config: CodecConfig,

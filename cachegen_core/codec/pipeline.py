@@ -81,20 +81,24 @@ def components(
 def quantise(comp: Components, level_step: float, *, fitted: bool, step_cap: float = 0.0, weights: torch.Tensor | None = None) -> Coded:
     """Step 4 of the module docstring; ``fitted``: the transform comes from a profile; ``weights``: float32
     ``(2, layers, heads, dim)``, each component's step multiplier without one (None: 1)."""
-    if fitted and weights is not None:
-        raise ValueError("step weights apply to coding without a profile only")
     symbols, stps = [], []
     for kind, c in enumerate(comp.values):
-        if fitted or not c.shape[2]:
-            base = torch.tensor(level_step)
-        else:
-            base = level_step * c.square().mean(dim=(1, 2, 3)).sqrt()[:, None, None]
-            if weights is not None:
-                base = base * weights[kind].to(base.device)
-        step = steps(c, base, step_cap)
+        step = steps(c, base_step(c, level_step, kind, fitted=fitted, weights=weights), step_cap)
         symbols.append(quantize(c, step))
         stps.append(step)
     return Coded(torch.stack(symbols), comp.mean, torch.stack(stps), comp.exact)
+
+
+def base_step(c: torch.Tensor, level_step: float, kind: int, *, fitted: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The step step 4 gives the components ``c`` ``(layers, heads, tokens, dim)`` of ``kind`` before ``steps``' bounds:
+    ``level_step`` with a fitted transform, else ``level_step`` x the layer's RMS in the chunk (x ``weights[kind]``),
+    broadcastable to ``(layers, heads, dim)``."""
+    if fitted and weights is not None:
+        raise ValueError("step weights apply to coding without a profile only")
+    if fitted or not c.shape[2]:
+        return torch.tensor(level_step)
+    base = level_step * c.square().mean(dim=(1, 2, 3)).sqrt()[:, None, None]
+    return base if weights is None else base * weights[kind].to(base.device)
 
 
 def synthesise_parts(

@@ -27,7 +27,7 @@ import torch
 
 from ..hfcompat import cache_arg
 from ..kv import KVCache
-from .pipeline import components, dequantise, quantise, synthesise
+from .pipeline import base_step, components, dequantise, quantise, synthesise
 from .rotary import RotarySpec
 from .transform import Transform
 
@@ -44,6 +44,35 @@ def _logp(model: Any, kv: KVCache, continuation: list[int]) -> torch.Tensor:
     return logits.float().log_softmax(-1)
 
 
+def coded_layers(
+    kv: KVCache,
+    transform: Transform,
+    step: float,
+    *,
+    rotary: RotarySpec | None,
+    sink_tokens: int,
+    chunk_tokens: int,
+    weights: torch.Tensor | None = None,
+) -> tuple[KVCache, torch.Tensor]:
+    """``kv`` (a context from position 0) coded in chunks of ``chunk_tokens`` with ``transform`` at ``step`` and back,
+    and each (kind, layer)'s whitened squared error (summed over tokens and components; float64 ``(2, layers)``).
+
+    ``weights`` (``weights.py``; ones for plain steps): code as a codec without a profile does (``transform`` the
+    identity, each component's step ``step`` x its layer's RMS x its weight); the error is then whitened by the
+    same factors (in units where every component's step is ``step``: what the weights assume each costs)."""
+    fitted = weights is None
+    parts, err = [], torch.zeros(2, kv.num_layers, dtype=torch.float64)
+    for s in range(0, kv.num_tokens, chunk_tokens):
+        comp = components(kv.slice(s, s + chunk_tokens), transform, start=s, sink_tokens=sink_tokens, rotary=rotary)
+        coded = quantise(comp, step, fitted=fitted, weights=weights)
+        deq = dequantise(coded)
+        unit = torch.stack([step / base_step(c, step, k, fitted=fitted, weights=weights).expand(c.shape[0], c.shape[1], c.shape[3])
+                            for k, c in enumerate(comp.values)])  # fmt: skip
+        err += ((deq - comp.values) * unit[:, :, :, None, :]).double().square().sum(dim=(2, 3, 4))
+        parts.append(KVCache(*synthesise(deq, coded.mean, coded.exact, transform, start=s, encoded_start=s, rotary=rotary)))
+    return KVCache.concat(parts), err
+
+
 def layer_sensitivity(
     model: Any,
     kv: KVCache,
@@ -55,20 +84,13 @@ def layer_sensitivity(
     sink_tokens: int,
     chunk_tokens: int,
     guard: Callable[[], ContextManager[Any]] | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KL (nats, summed over the continuation's predictions) when each (kind, layer) of ``kv`` (a context from
-    position 0) alone is coded with ``transform`` at ``step``, and that layer's whitened squared error (summed over
-    tokens and components): float64 ``(2, layers)`` each. One forward pass of ``continuation`` per (kind, layer),
-    and one on the exact KV."""
+    position 0) alone is coded (``coded_layers``, whose arguments these are), and that layer's whitened squared error:
+    float64 ``(2, layers)`` each. One forward pass of ``continuation`` per (kind, layer), and one on the exact KV."""
     guard = guard or nullcontext
-    parts, err = [], torch.zeros(2, kv.num_layers, dtype=torch.float64)
-    for s in range(0, kv.num_tokens, chunk_tokens):
-        comp = components(kv.slice(s, s + chunk_tokens), transform, start=s, sink_tokens=sink_tokens, rotary=rotary)
-        coded = quantise(comp, step, fitted=True)
-        deq = dequantise(coded)
-        err += (deq - comp.values).double().square().sum(dim=(2, 3, 4))
-        parts.append(KVCache(*synthesise(deq, coded.mean, coded.exact, transform, start=s, encoded_start=s, rotary=rotary)))
-    coded_kv = KVCache.concat(parts)
+    coded_kv, err = coded_layers(kv, transform, step, rotary=rotary, sink_tokens=sink_tokens, chunk_tokens=chunk_tokens, weights=weights)
     with guard():
         ref = _logp(model, kv, continuation)
     kl = torch.zeros(2, kv.num_layers, dtype=torch.float64)

@@ -8,8 +8,9 @@ Without one the engine codes without a profile (each blob carries its components
 and a ``ProfileFitter`` fits one in the background on the calibration text shipped with the
 package (``codec.fitting``), then publishes it into the store, first writer wins: it keeps what
 another process published first. Meanwhile the engine's codec weights its steps by the model's
-sensitivity, measured once when the engine is built (``measure_weights``: one short Fisher draw,
-``codec.weights``): that changes what its blobs hold, not their keys or how they decode. Nothing changes under a running engine (its chunk keys bind
+sensitivity, measured when the engine is built (``measure_weights``: one short Fisher draw, ``codec.weights``)
+and, by the fitter before it fits, across layers (``weights_by_layer``): that changes what its blobs hold, not
+their keys or how they decode. Nothing changes under a running engine (its chunk keys bind
 "no profile"): the profile serves the engines started after it exists, in this process and in
 every other sharing the store, and the log says so. A signed store signs and checks it like
 every value; a profile read from a store is parsed as safetensors + JSON, never unpickled.
@@ -33,7 +34,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from ..codec.config import CodecConfig
-from ..codec.fitting import FitPlan, fit_profile, fit_weights
+from ..codec.fitting import FitPlan, fit_profile, fit_weights, weights_by_layer
 from ..codec.profile import IDENTITY_KEY, Profile
 from ..codec.profiles import SHIPPED, family_profiles, find_profile
 from ..codec.rotary import RotarySpec
@@ -126,8 +127,9 @@ class ProfileFitter:
     Holds the engine weakly. ``texts`` and ``plan``: what it fits on (default: the shipped calibration
     text, ``codec.fitting.FitPlan()``). ``start_after_s``: start this long after construction even if no
     request has been answered; ``quiet_s``: how long the process must have had no request
-    computing before it goes on after one. ``done`` is set when it has finished (``profile``: what the
-    store holds then, None on failure); ``yielding`` says when it paused (``Yielding.paused``, ``pauses``).
+    computing before it goes on after one. First, when the engine codes with step weights, it scales them by each
+    layer's measured sensitivity (``weights_refined`` then True). ``done`` is set when it has finished (``profile``:
+    what the store holds then, None on failure); ``yielding`` says when it paused (``Yielding.paused``, ``pauses``).
     """
 
     def __init__(self, engine: Any, *, name: str = "MODEL", texts: Sequence[str] | None = None, plan: FitPlan = FitPlan(),
@@ -138,6 +140,7 @@ class ProfileFitter:
         self.plan = plan
         self.start_after_s = start_after_s
         self.profile: Profile | None = None
+        self.weights_refined = False
         self.done = threading.Event()
         self._stop = threading.Event()
         self.yielding = Yielding(engine.writer.idle, self._stop, quiet_s=quiet_s, device=engine.model.device)
@@ -171,6 +174,27 @@ class ProfileFitter:
             if self._stop.wait(0.1):
                 raise Stopped
 
+    def _refine_weights(self) -> None:
+        """Scale the step weights the engine codes with, without a profile, by each layer's measured sensitivity
+        (``codec.fitting.weights_by_layer``) for the rest of its life: its chunks hold fewer bits at the same quality
+        from then on (``docs/results.md``, "Without a profile"); keys and decoding do not change. Nothing to do
+        when it codes with plain steps; logged, and left as it was, when the measurement fails."""
+        e = self._engine
+        base = e.codec.step_weights
+        if base is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            weights = weights_by_layer(e.model, e.tokenizer, base, self.texts[0] if self.texts else None, e.codec.config,
+                                       rotary=RotarySpec.from_model(e.model), guard=self._guard)  # fmt: skip
+            e.codec.step_weights = check_weights(weights)
+        except (CacheGenError, RuntimeError, ValueError, OSError, IndexError) as err:
+            log.warning("could not measure each layer's sensitivity of %s (%s): its steps stay as they were", self.name, err)
+            return
+        self.weights_refined = True
+        log.info("measured each layer's sensitivity of %s in %.0f s: steps without a profile weighted by it from now on",
+                 self.name, time.perf_counter() - t0)  # fmt: skip
+
     def _run(self) -> None:
         try:
             self._wait_start()
@@ -179,6 +203,7 @@ class ProfileFitter:
             config, store, model = e.codec.config, e.store, e.model
             fp = e.fingerprint
             with self.yielding.active():
+                self._refine_weights()
                 profile = fit_profile(model, e.tokenizer, self.texts, config, plan=self.plan, fingerprint=fp,
                                       rotary=RotarySpec.from_model(model), guard=self._guard,
                                       identity=model_identity(model, e.tokenizer))  # fmt: skip
