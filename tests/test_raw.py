@@ -152,10 +152,10 @@ def test_the_next_request_finds_the_raw_form_before_the_levels_are_written(tiny_
 def test_default_forms_stored(tiny_llama, tiny_tokenizer):
     """The exact 16-bit form and the level; the coarsest level too when a deadline may need it."""
     model = make_tiny_llama(dtype=torch.float16)
-    assert KVEngine(model, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["lossless", 1]
-    assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["raw", 1]
+    assert KVEngine(model, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["lossless", 2]
+    assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), background=False).store_options == ["raw", 2]
     timed = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), slo_s=1.0, background=False)
-    assert timed.store_options == ["raw", 1, 4] and timed.codec.levels[-1] == 4  # the coarsest level
+    assert timed.store_options == ["raw", 2, 4] and timed.codec.levels[-1] == 4  # the coarsest level
     assert KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), level="raw", background=False).store_options == ["raw"]
 
 

@@ -10,6 +10,7 @@ import time
 import pytest
 import redis.cluster
 
+from cachegen_core.codec.config import CodecConfig
 from cachegen_core import cli
 from cachegen_core.engine import KVEngine
 from cachegen_core.errors import StoreError
@@ -94,7 +95,7 @@ def test_a_manifest_is_written_after_its_blobs_on_other_nodes(redis_cluster, tin
     class Watched(RedisStore):
         def put(self, key, value):
             if key.endswith("-M"):  # every blob it names is readable, by another client, before it is written
-                seen.append((key, [reader.get(blob_key(key[:-2], o)) is not None for o in ("raw", 1)]))
+                seen.append((key, [reader.get(blob_key(key[:-2], o)) is not None for o in ("raw", CodecConfig().default_level)]))
             super().put(key, value)
 
     store = Watched(redis_cluster.url, namespace="order:")

@@ -53,7 +53,7 @@ def test_tiers_keep_every_level_and_the_raw_forms_that_fit(tmp_path):
     levels = replay(tmp_path, trace, "levels-only", 0.5)
     t, f, lv = (summarise(x.tally, 120) for x in (tiered, fp16, levels))
     assert t["hit_rate"] == lv["hit_rate"] > f["hit_rate"]  # every level fits at half the fp16 bytes, not every fp16 form
-    assert t["units_streamed"]["raw"] > 0 and t["units_streamed"]["1"] > 0 and t["lost_form_probes"] > 0  # raw forms went first
+    assert t["units_streamed"]["raw"] > 0 and t["units_streamed"][str(LEVEL)] > 0 and t["lost_form_probes"] > 0  # raw forms went first
     assert t["mean_ttft_s"] < lv["mean_ttft_s"] < f["mean_ttft_s"]
     total, raw = tiered.held()
     assert 0 < raw and total <= 0.5 * trace.working_set_tokens * FP16
@@ -77,7 +77,7 @@ def test_rag_questions_reuse_documents_wherever_they_are(tmp_path):
     trace = rag_trace(8, 1024, 4, 30, 40, seed=0)
     r = replay(tmp_path, trace, "levels-only", 1.0)
     row = summarise(r.tally, 30)
-    assert row["hit_rate"] > 0.8 and row["units_streamed"]["1"] == round(row["token_hit_rate"] * 30 * 4)
+    assert row["hit_rate"] > 0.8 and row["units_streamed"][str(LEVEL)] == round(row["token_hit_rate"] * 30 * 4)
     assert min(r.tally.ttft) == pytest.approx(0.5 + 4 * 1024 * 5e-5)  # every document cached: the measured hit
     assert max(r.tally.ttft) == pytest.approx(4.0)  # none: the measured miss
 
