@@ -32,7 +32,7 @@ QUALITY = [
     *((f"quality_size_v2_c{c}_held_out13.jsonl", {"uniform8": "uniform8"}) for c in (1536, 4096, 7680)),
     ("quality_size_v2.jsonl", {m: f"{m} (2 transcripts)" for m in ("uniform4", "kivi4", "kivi2", "quanto4", "quanto2")}),
 ]
-STORE_BUDGET = "store_budget_quick_2026-11-28b.jsonl"
+STORE_BUDGET = "store_budget_quick_2026-11-29.jsonl"
 
 
 def warm_path_rows(data: Path) -> list[dict[str, Any]]:
