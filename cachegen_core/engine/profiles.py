@@ -47,6 +47,9 @@ from .yielding import Stopped, Yielding, stop_at_exit
 
 log = logging.getLogger("cachegen_core.engine")
 
+#: What measuring the model's sensitivity can raise on a model or text it cannot measure: logged, steps left as they were.
+MEASURE_ERRORS = (CacheGenError, RuntimeError, ValueError, OSError, IndexError)
+
 
 def profile_key(fingerprint: str, codec_id: str) -> str:
     """The store key a model's profile under a codec is published under."""
@@ -176,7 +179,7 @@ class ProfileFitter:
 
     def _refine_weights(self) -> None:
         """Scale the step weights the engine codes with, without a profile, by each layer's measured sensitivity
-        (``codec.fitting.weights_by_layer``) for the rest of its life: its chunks hold fewer bits at the same quality
+        (``codec.fitting.weights_by_layer``) for the rest of its life: its chunks hold the same bits at a lower KL
         from then on (``docs/results.md``, "Without a profile"); keys and decoding do not change. Nothing to do
         when it codes with plain steps; logged, and left as it was, when the measurement fails."""
         e = self._engine
@@ -188,7 +191,7 @@ class ProfileFitter:
             weights = weights_by_layer(e.model, e.tokenizer, base, self.texts[0] if self.texts else None, e.codec.config,
                                        rotary=RotarySpec.from_model(e.model), guard=self._guard)  # fmt: skip
             e.codec.step_weights = check_weights(weights)
-        except (CacheGenError, RuntimeError, ValueError, OSError, IndexError) as err:
+        except MEASURE_ERRORS as err:
             log.warning("could not measure each layer's sensitivity of %s (%s): its steps stay as they were", self.name, err)
             return
         self.weights_refined = True
@@ -228,7 +231,7 @@ def measure_weights(engine: Any, *, name: str = "MODEL") -> bool:
         with engine._lock:
             weights = fit_weights(engine.model, engine.tokenizer, config=engine.codec.config, rotary=RotarySpec.from_model(engine.model))
         engine.codec.step_weights = check_weights(weights)
-    except (CacheGenError, RuntimeError, ValueError, OSError, IndexError) as e:
+    except MEASURE_ERRORS as e:
         log.warning("could not measure the sensitivity of %s (%s): coding without a profile with plain steps", name, e)
         return False
     log.info("measured the sensitivity of %s in %.1f s: steps weighted by it until a profile is used", name, time.perf_counter() - t0)
