@@ -43,7 +43,7 @@ import torch
 from benchmarks.common import Rows, load, parser, transcripts
 from benchmarks.rag_reuse import INSTRUCTION, SEPARATOR, add_prompt_options, build, document_pool, score
 from cachegen_core.codec.rotary import apply_rotary
-from cachegen_core.engine.blend import _attend, _heads, _masks
+from cachegen_core.engine.documents.blend import _attend, _heads, _masks
 
 
 @dataclass(frozen=True)
@@ -262,8 +262,8 @@ def oracle_scores(model: Any, ids: list[int], cont: list[int], buffer: Any, star
                   how: str) -> torch.Tensor:  # fmt: skip
     """Scores that know the answer (see module doc): the attention the question and the continuation ``cont`` pay
     to each cached token (``oracle-read``), or its KV's distance from full prefill's over every layer (``oracle-dev``)."""
-    from cachegen_core.engine import hf  # noqa: PLC0415
-    from cachegen_core.engine.blend import question_attention  # noqa: PLC0415
+    from cachegen_core.engine.model import hf  # noqa: PLC0415
+    from cachegen_core.engine.documents.blend import question_attention  # noqa: PLC0415
 
     if how == "oracle-read":
         return question_attention(model, [*ids, *cont], buffer, start, end, cached, len(ids) - end + len(cont))
@@ -276,7 +276,7 @@ def oracle_scores(model: Any, ids: list[int], cont: list[int], buffer: Any, star
 
 def doc_kv(model: Any, pre: tuple[int, ...], doc: list[int]) -> Any:
     """A document's KV computed after ``pre``, rounded through the 16-bit ``raw`` stored form."""
-    from cachegen_core.engine import hf  # noqa: PLC0415
+    from cachegen_core.engine.model import hf  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
 
     kv = hf.prefill(model, [*pre, *doc]).slice(len(pre))
@@ -299,9 +299,9 @@ def main(argv: list[str] | None = None) -> None:
         args.prompts, args.variants = 2, args.variants or QUICK
     torch.set_num_threads(args.threads)
 
-    from cachegen_core.engine import hf  # noqa: PLC0415
-    from cachegen_core.engine.blend import SELECTIONS, BlendConfig, blend, blend_support, forced_tokens, question_attention  # noqa: PLC0415
-    from cachegen_core.engine.rope import shift_keys  # noqa: PLC0415
+    from cachegen_core.engine.model import hf  # noqa: PLC0415
+    from cachegen_core.engine.documents.blend import SELECTIONS, BlendConfig, blend, blend_support, forced_tokens, question_attention  # noqa: PLC0415
+    from cachegen_core.engine.model.rope import shift_keys  # noqa: PLC0415
     from cachegen_core.kv import KVCache  # noqa: PLC0415
     from cachegen_core.keys.segments import document_spans  # noqa: PLC0415
 

@@ -5,7 +5,7 @@ to first token from what it found in the store. The store is real (``DiskCacheSt
 its eviction decide what is held), its values are blobs of the real forms' sizes divided by
 ``scale`` and its size limit the budget divided by ``scale``; manifests are real and name the real sizes.
 
-A request does on the store what the engine does on a local store (``engine/reader.py``, ``writer.py``):
+A request does on the store what the engine does on a local store (``engine/chunks/reader.py``, ``writer.py``):
 one ``get_many`` for the manifests of its complete chunks (or documents), one for the partial chunks
 that may follow them; each unit streamed in the fastest stored form (raw when its manifest names it,
 else the level), a form the store lost replaced by the next one; then the units it computed stored

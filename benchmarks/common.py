@@ -248,10 +248,10 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.dtype 
     (default bfloat16): for timing only, its outputs mean nothing. ``$CACHEGEN_TOKENIZER_DIR``, when set, is the
     tokenizer's directory instead (a machine without the reference model, e.g. a GPU box).
 
-    Its attention is the one ``KVEngine.from_pretrained`` gives the models it loads (``engine/attention.py``): every
+    Its attention is the one ``KVEngine.from_pretrained`` gives the models it loads (``engine/model/attention.py``): every
     benchmark, baselines included, times what a user of ``from_pretrained`` or ``CacheGenLLM.from_model_id`` gets.
     """
-    from cachegen_core.engine.attention import use_gqa_attention
+    from cachegen_core.engine.model.attention import use_gqa_attention
     from cachegen_core.models import load_model
 
     t = time.perf_counter()

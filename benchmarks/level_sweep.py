@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
     from cachegen_core.codec.profile import Profile  # noqa: PLC0415
     from cachegen_core.codec.rotary import RotarySpec  # noqa: PLC0415
     from cachegen_core.codec.transform import fit_transform  # noqa: PLC0415
-    from cachegen_core.engine.hf import kv_geometry  # noqa: PLC0415
+    from cachegen_core.engine.model.hf import kv_geometry  # noqa: PLC0415
 
     levels = DEFAULT_LEVELS + tuple(args.extra)
     config = CodecConfig(levels=levels)

@@ -104,8 +104,9 @@ def run(args: argparse.Namespace, out: Rows) -> None:
         args.prompts, args.ratios = 2, [0.15]
     setup_threads()
 
-    from cachegen_core.engine import KVEngine, hf  # noqa: PLC0415
-    from cachegen_core.engine.blend import BlendConfig  # noqa: PLC0415
+    from cachegen_core.engine import KVEngine  # noqa: PLC0415
+    from cachegen_core.engine.model import hf  # noqa: PLC0415
+    from cachegen_core.engine.documents.blend import BlendConfig  # noqa: PLC0415
     from cachegen_core.stores import MemoryStore  # noqa: PLC0415
 
     model, tok = load(args.model)

@@ -63,8 +63,9 @@ import torch
 from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, long_transcripts, parser, setup_threads
 from benchmarks.naive_kv import NAIVE, pinned_copy, pinned_ttft
 from benchmarks.plotting import Panels, line_panels
-from cachegen_core.engine import KVEngine, hf
-from cachegen_core.engine.options import exact16
+from cachegen_core.engine import KVEngine
+from cachegen_core.engine.model import hf
+from cachegen_core.engine.chunks.options import exact16
 from cachegen_core.kv import KVCache, empty_tensor
 
 QUESTION = "\nUSER: What is the first topic we discussed? ASSISTANT:"
@@ -128,7 +129,7 @@ class Context:
 
     def buffer(self) -> KVCache:
         """The context's cache, allocated once and reused by every request, as the engine reuses its buffers
-        (``engine/buffers.py``): no baseline pays for faulting in fresh memory the engine does not pay for."""
+        (``engine/serving/buffers.py``): no baseline pays for faulting in fresh memory the engine does not pay for."""
         if self._buffer is None:
             layers, heads, _, dim = self.kv.shape
             shape = (layers, heads, len(self.ids) + 2, dim)

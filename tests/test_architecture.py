@@ -25,6 +25,9 @@ LAYERS = [
     {"cli", "__init__"},
     {"testing"},
 ]
+#: Inside the engine, each subpackage may import only those listed before it; the engine's top-level modules (the
+#: facade: ``engine``, ``loading``, ``profiles``, ``aio``) may import all of them (docs/architecture.md).
+ENGINE_LAYERS = [{"model"}, {"serving"}, {"costs"}, {"chunks"}, {"documents"}]
 #: At most this many modules at the top of cachegen_core besides its subpackages: the tree is the map.
 MAX_TOP_LEVEL_MODULES = 10
 
@@ -86,6 +89,30 @@ def test_core_layers_import_only_downwards_and_never_langchain():
             elif rank[_unit(target)] > rank[_unit(name)] and _unit(name) != "__init__":
                 bad.append(f"{name} -> {target}")
     assert bad == [], "imports against the layering of docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_engine_subpackages_import_only_downwards():
+    rank = {unit: i for i, layer in enumerate(ENGINE_LAYERS) for unit in layer}
+    mods = _modules("cachegen_core")
+    engine = {n: p for n, p in mods.items() if n.startswith("cachegen_core.engine.")}
+    sub = lambda name: name.split(".")[2]  # noqa: E731
+    bad, placed = [], set()
+    for name, path in engine.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        if path.parent.name != "engine":  # a module of a subpackage
+            placed.add(sub(name))
+        elif path.name != "__init__.py":
+            continue  # the facade imports every subpackage
+        for target in _imports(path, package):
+            target = _resolve(target, mods) or target
+            if not target.startswith("cachegen_core.engine.") or sub(target) == sub(name):
+                continue
+            if sub(target) not in rank:
+                bad.append(f"{name} -> {target}: the engine's facade, imported from below it")
+            elif sub(name) in rank and rank[sub(target)] > rank[sub(name)]:
+                bad.append(f"{name} -> {target}")
+    assert placed <= set(rank), f"engine subpackages not placed in ENGINE_LAYERS: {placed - set(rank)}"
+    assert bad == [], "imports against the engine's layering (docs/architecture.md):\n" + "\n".join(bad)
 
 
 def test_no_import_cycle_between_modules():

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from cachegen_core.engine import hf
-from cachegen_core.engine.blend import BlendConfig, blend, blend_support, document_starts, forced_tokens, last_document_first, question_attention
-from cachegen_core.engine.rope import Rope, rope_of, shift_keys
+from cachegen_core.engine.model import hf
+from cachegen_core.engine.documents.blend import BlendConfig, blend, blend_support, document_starts, forced_tokens, last_document_first, question_attention
+from cachegen_core.engine.model.rope import Rope, rope_of, shift_keys
 from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache
 from cachegen_core.testing import make_tiny_llama

@@ -3,7 +3,7 @@
 import torch
 
 from cachegen_core.engine import KVEngine
-from cachegen_core.engine.buffers import BufferPool
+from cachegen_core.engine.serving.buffers import BufferPool
 from cachegen_core.kv import KVCache
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import words

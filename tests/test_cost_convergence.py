@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from cachegen_core.engine.cost import CostModel
+from cachegen_core.engine.costs.cost import CostModel
 from cachegen_core.streaming import RAW, TEXT, Controller, HarmonicMeanEstimator, stream_chunks
 from cachegen_core.streaming.fits import PrefillFit, fit_nonnegative, fit_prefill
 

@@ -11,7 +11,7 @@ from cachegen_core.keys.chunks import blob_key
 from cachegen_core.codec.kvcodec import KVCodec
 from cachegen_core.codec.config import CodecConfig
 from cachegen_core.engine import KVEngine
-from cachegen_core.engine.blend import BlendConfig
+from cachegen_core.engine.documents.blend import BlendConfig
 from cachegen_core.keys.manifest import Manifest, manifest_key
 from cachegen_core.keys.segments import SegmentedPrompt
 from cachegen_core.stores.memory import MemoryStore
@@ -80,7 +80,7 @@ def test_recompute_ratio_one_answers_as_full_prefill(tiny_llama, tiny_tokenizer)
 
 
 def test_ratio_zero_is_concatenation_and_differs_from_full_prefill_kv(tiny_llama, tiny_tokenizer, monkeypatch):
-    from cachegen_core.engine import documents
+    from cachegen_core.engine.documents import documents
 
     def no_pass(*args, **kwargs):
         raise AssertionError("nothing to pick: the question's pass is not run")
@@ -273,7 +273,7 @@ def test_documents_cached_at_indexing_leave_the_first_question_only_the_blends_s
 
 
 def test_the_blend_presets(tiny_llama, tiny_tokenizer):
-    from cachegen_core.engine.blend import PRESETS
+    from cachegen_core.engine.documents.blend import PRESETS
 
     assert _engine(tiny_llama, tiny_tokenizer).blend == PRESETS["fast"] == BlendConfig(recompute_ratio=PRESETS["fast"].recompute_ratio)
     balanced = _engine(tiny_llama, tiny_tokenizer, blend="balanced").blend

@@ -204,7 +204,7 @@ def test_empty_prompt_is_a_clear_error(engine):
 def test_stop_strings_use_transformers_criterion_where_it_maps_the_tokenizer(tiny_tokenizer):
     from transformers import StopStringCriteria
 
-    from cachegen_core.engine.hf import _StopOnDecodedText, stop_criterion
+    from cachegen_core.engine.model.hf import _StopOnDecodedText, stop_criterion
 
     # a word-level vocabulary is beyond StopStringCriteria's subword cleaning: the decoded-text check takes over
     assert isinstance(stop_criterion(tiny_tokenizer, ["w9"], 3), _StopOnDecodedText)
@@ -222,7 +222,7 @@ def test_stop_strings_use_transformers_criterion_where_it_maps_the_tokenizer(tin
 def test_model_cache_appends_in_place_into_spare_capacity(tiny_llama, tiny_tokenizer):
     """A reused KV with spare capacity is handed to transformers as is: the question's and the answer's
     tokens are written into it (no copy of the whole cache per forward), with the output of a plain run."""
-    from cachegen_core.engine import hf
+    from cachegen_core.engine.model import hf
     from cachegen_core.kv import KVCache
 
     ids = tiny_tokenizer(words(3, 300))["input_ids"]
@@ -279,7 +279,7 @@ def test_finish_reason_says_why_generation_ended(engine):
 
 def _sdpa_and_ours(seed: int) -> tuple:
     """Two tiny Llamas with the same weights: one on transformers' sdpa, one on the engine's attention."""
-    from cachegen_core.engine.attention import NAME, use_gqa_attention
+    from cachegen_core.engine.model.attention import NAME, use_gqa_attention
 
     base, gqa = make_tiny_llama(seed=seed), make_tiny_llama(seed=seed)
     base.set_attn_implementation("sdpa")
@@ -291,7 +291,7 @@ def _sdpa_and_ours(seed: int) -> tuple:
 def _prefill_after_prefix(monkeypatch, seed: int, ids: list[int], prefix: int, spied: str, mode=torch.no_grad) -> tuple[list[int], int]:
     """``ids[prefix:]`` prefilled after a reused ``ids[:prefix]``: the engine's attention's logits asserted to be
     sdpa's; the query counts ``engine.attention.<spied>`` was called with, and the model's layers."""
-    from cachegen_core.engine import attention, hf
+    from cachegen_core.engine.model import attention, hf
 
     base, gqa = _sdpa_and_ours(seed)
     calls = []
@@ -308,7 +308,7 @@ def _prefill_after_prefix(monkeypatch, seed: int, ids: list[int], prefix: int, s
 def test_gqa_attention_gives_sdpas_results_without_copying_kv_heads(tiny_tokenizer, monkeypatch):
     """The attention the engine gives models it loads: the same logits as transformers' sdpa, on a prompt and
     on a question after a reused cache (where sdpa copies the KV heads)."""
-    from cachegen_core.engine.attention import use_gqa_attention
+    from cachegen_core.engine.model.attention import use_gqa_attention
 
     base, gqa = _sdpa_and_ours(4)
     ids = tiny_tokenizer(words(80, 150))["input_ids"]

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from cachegen_core.engine import KVEngine
-from cachegen_core.engine.cost import PROBE_EVERY, CostModel
+from cachegen_core.engine.costs.cost import PROBE_EVERY, CostModel
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.stores.redis import RedisStore
 from cachegen_core.streaming import TEXT, HarmonicMeanEstimator
@@ -89,7 +89,7 @@ def test_without_a_deadline_chunks_recomputed_at_the_end_are_prefilled_with_the_
 
 
 def test_deferred_text_runs_followed_by_a_streamed_chunk_are_prefilled_in_one_pass_each():
-    from cachegen_core.engine.runs import prefill_text_runs
+    from cachegen_core.engine.chunks.runs import prefill_text_runs
     from cachegen_core.keys.chunks import Chunk
 
     run = [Chunk(index=i, start=10 * i, end=10 * (i + 1), key=f"k{i}") for i in range(6)]

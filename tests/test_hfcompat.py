@@ -5,7 +5,7 @@ import warnings
 
 import torch
 
-from cachegen_core.engine import hf
+from cachegen_core.engine.model import hf
 from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache
 

@@ -15,8 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from cachegen_core.engine import KVEngine, UnsupportedModel
-from cachegen_core.engine.attention import use_gqa_attention
-from cachegen_core.engine.blend import BlendConfig, blend_support
+from cachegen_core.engine.model.attention import use_gqa_attention
+from cachegen_core.engine.documents.blend import BlendConfig, blend_support
 from cachegen_core.hfcompat import cache_arg, output_cache
 from cachegen_core.kv import KVCache, KVShapeError
 from cachegen_core.codec.kvstats import kv_statistics
@@ -178,7 +178,7 @@ def test_the_in_place_sliding_layer_reads_as_transformers_own():
     ``DynamicSlidingWindowLayer`` does, and keeps every token (in the buffer, with no copy while it has room)."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    from cachegen_core.engine.hf import _InPlaceSlidingLayer
+    from cachegen_core.engine.model.hf import _InPlaceSlidingLayer
 
     window, g = 8, torch.Generator().manual_seed(0)
     steps = [torch.randn(1, 2, n, 4, generator=g) for n in (5, 1, 3, 6, 1, 1, 9, 2)]  # runs past the window and out of room

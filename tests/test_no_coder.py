@@ -82,7 +82,7 @@ def test_only_dropped_levels_are_warned_about_and_only_once(monkeypatch, caplog)
 
     import torch
 
-    from cachegen_core.engine import options
+    from cachegen_core.engine.chunks import options
 
     monkeypatch.setattr("cachegen_core.codec.kvcodec.fastest_coder", lambda: None)
     monkeypatch.setattr(options, "_warned", threading.Event())

@@ -9,7 +9,7 @@ from langchain_core.messages import HumanMessage
 from transformers import GPT2Config, LlamaConfig, LlamaForCausalLM, Qwen2Config
 
 from cachegen_core.engine import KVEngine
-from cachegen_core.engine.positions import position_limit
+from cachegen_core.engine.model.positions import position_limit
 from cachegen_core.stores import MemoryStore
 from cachegen_core.testing import make_family_model, make_tiny_tokenizer, words
 from langchain_cachegen import CacheGenLLM, ChatCacheGen

@@ -1,4 +1,4 @@
-"""Background torch work that gives way to requests (``engine/yielding.py``): it pauses before its next op while a
+"""Background torch work that gives way to requests (``engine/serving/yielding.py``): it pauses before its next op while a
 request computes, lets go of the model lock meanwhile, and splits large products on the CPU without changing them."""
 
 import threading
@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from cachegen_core.engine import yielding
-from cachegen_core.engine.yielding import Stopped, Yielding
+from cachegen_core.engine.serving import yielding
+from cachegen_core.engine.serving.yielding import Stopped, Yielding
 
 
 def counting(monkeypatch) -> tuple[Yielding, list[int]]:

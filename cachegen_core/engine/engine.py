@@ -30,18 +30,18 @@ from ..stores.base import KVStore, fetches_on_cpu
 from ..codec.raw import RawCodec
 from ..keys.segments import SegmentedPrompt, document_spans, prefix_ends, tokenize_parts
 from ..streaming import RAW_OPTIONS, Controller, Option, make_estimator, rank
-from . import hf
-from .blend import BlendConfig, blend_config
-from .buffers import BufferPool
-from .cost import model_costs
-from .documents import DocumentCaches, Indexed, Reused
-from .info import GenerationInfo, covered_tokens
+from .model import hf
+from .documents.blend import BlendConfig, blend_config
+from .serving.buffers import BufferPool
+from .costs.cost import model_costs
+from .documents.documents import DocumentCaches, Indexed, Reused
+from .serving.info import GenerationInfo, covered_tokens
 from .loading import from_pretrained
-from .options import default_options, storable
-from .positions import check_positions, position_limit
-from .probes import Prober
-from .reader import ChunkReader, report
-from .writer import ChunkWriter
+from .chunks.options import default_options, storable
+from .model.positions import check_positions, position_limit
+from .costs.probes import Prober
+from .chunks.reader import ChunkReader, report
+from .chunks.writer import ChunkWriter
 
 log = logging.getLogger("cachegen_core.engine")
 

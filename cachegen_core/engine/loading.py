@@ -19,7 +19,7 @@ from ..models import load_model
 from ..ops.settings import engine_options, resolve_store
 from ..ops.settings import load as load_settings
 from ..stores.base import KVStore
-from .attention import use_gqa_attention
+from .model.attention import use_gqa_attention
 from .profiles import measure_weights, resolve_profile, start_fitting
 
 E = TypeVar("E")

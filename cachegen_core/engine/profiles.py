@@ -42,8 +42,8 @@ from ..codec.weights import check_weights
 from ..errors import CacheGenError, CacheGenFormatError, StoreError
 from ..keys.fingerprint import model_identity, same_model
 from ..stores.base import KVStore
-from .hf import kv_geometry
-from .yielding import Stopped, Yielding, stop_at_exit
+from .model.hf import kv_geometry
+from .serving.yielding import Stopped, Yielding, stop_at_exit
 
 log = logging.getLogger("cachegen_core.engine")
 

@@ -9,7 +9,7 @@ store: 0.1 s against 0.2 s on a 3K context). So a bounded store keeps two tiers:
   (its manifest, levels and raw forms), least recently used first;
 - the **raw tier**: the raw forms (``-Lraw``, ``-Llossless``), one blob at a time, least
   recently used first. A chunk whose raw form went stays a hit at its level: the reader takes
-  the next form its manifest names (``engine/reader.py``).
+  the next form its manifest names (``engine/chunks/reader.py``).
 
 When the store is over its budget the raw tier yields first, unless it is down to ``raw_share``
 of the budget (a reserve, default none): raw forms live in the room the levels leave, up to the
@@ -18,7 +18,7 @@ too small for every level holds levels only. A reserve kept raw forms that level
 used, and cost hits: on the reference model's 3-8K contexts in Zipf order at a quarter of their
 fp16 bytes, a 20 % reserve held 5 % fewer contexts and its mean TTFT was 1.25x the unreserved one's,
 equal at half and above (``benchmarks.store_budget``, ``docs/results.md``). (Unrelated to
-``engine/hot.py``'s ``HotTier``: an engine's write-behind buffer of chunks not yet stored.)
+``engine/chunks/hot.py``'s ``HotTier``: an engine's write-behind buffer of chunks not yet stored.)
 """
 
 from __future__ import annotations

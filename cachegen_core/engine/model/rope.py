@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..codec.rotary import apply_rotary
+from ...codec.rotary import apply_rotary
 
 #: RoPE types with frequencies fixed at load time (shifting post-RoPE keys composes exactly).
 FIXED_FREQUENCY_TYPES = frozenset({"default", "linear", "llama3", "yarn"})

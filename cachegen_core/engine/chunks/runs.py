@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..keys.chunks import Chunk
-from ..kv import KVCache
+from ...keys.chunks import Chunk
+from ...kv import KVCache
 
 #: The text option: compute the KV of ``ids`` into ``buffer[start:]``, on top of ``buffer[:start]``.
 PrefillInto = Callable[[list[int], KVCache, int], None]

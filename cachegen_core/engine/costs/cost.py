@@ -28,8 +28,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..streaming import RAW_OPTIONS, TEXT, ChunkCost, Option, rank
-from ..streaming.fits import PrefillFit, fit_prefill
+from ...streaming import RAW_OPTIONS, TEXT, ChunkCost, Option, rank
+from ...streaming.fits import PrefillFit, fit_prefill
 
 #: Prefill seconds per token assumed before the first measurement.
 PREFILL_PRIOR_S_PER_TOKEN = 2e-3

@@ -19,9 +19,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from ..errors import CacheGenError
-from ..hfcompat import cache_arg, output_cache
-from ..kv import KVCache, KVShapeError
+from ...errors import CacheGenError
+from ...hfcompat import cache_arg, output_cache
+from ...kv import KVCache, KVShapeError
 
 
 #: New tokens generated when the caller names no limit.

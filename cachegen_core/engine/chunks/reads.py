@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..codec.kvcodec import Checked
-from ..codec.raw import RawChecked
-from ..pinned import HostArena, settle
+from ...codec.kvcodec import Checked
+from ...codec.raw import RawChecked
+from ...pinned import HostArena, settle
 
 
 class StreamReads:

@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..keys.chunks import Chunk
-from ..errors import StoreError
-from ..kv import KVCache
-from ..keys.manifest import Manifest, Option
+from ...keys.chunks import Chunk
+from ...errors import StoreError
+from ...kv import KVCache
+from ...keys.manifest import Manifest, Option
 from .hot import HotTier
 
 log = logging.getLogger("cachegen_core.engine")

@@ -22,21 +22,21 @@ from typing import Any
 
 import torch
 
-from ..keys.chunks import Chunk, blob_key
-from ..codec.kvcodec import Checked, KVCodec
-from ..errors import BackendUnavailable, BlobMissing, CacheGenFormatError, StoreError
-from ..kv import KVCache, KVShapeError
-from ..pinned import HostArena, host_arena
-from ..keys.manifest import Manifest, manifest_key
-from ..codec.raw import RawChecked, RawCodec
-from ..stores.base import KVStore
-from ..streaming import RAW_OPTIONS, TEXT, ChunkCost, ChunkRecord, Controller, Estimator, Option, StreamFailure, rank, stream_batch
-from .cost import CostModel
+from ...keys.chunks import Chunk, blob_key
+from ...codec.kvcodec import Checked, KVCodec
+from ...errors import BackendUnavailable, BlobMissing, CacheGenFormatError, StoreError
+from ...kv import KVCache, KVShapeError
+from ...pinned import HostArena, host_arena
+from ...keys.manifest import Manifest, manifest_key
+from ...codec.raw import RawChecked, RawCodec
+from ...stores.base import KVStore
+from ...streaming import RAW_OPTIONS, TEXT, ChunkCost, ChunkRecord, Controller, Estimator, Option, StreamFailure, rank, stream_batch
+from ..costs.cost import CostModel
 from .hot import HotTier
-from .info import GenerationInfo
+from ..serving.info import GenerationInfo
 from .placement import DecodePlacement
 from .reads import StreamReads
-from .probes import offered_samples
+from ..costs.probes import offered_samples
 from .runs import PrefillInto, copy_chunk, keys_before, prefill_text_runs
 from .writer import StoreHealth
 

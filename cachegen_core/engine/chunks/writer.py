@@ -31,15 +31,15 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
-from ..keys.chunks import Chunk, blob_key
-from ..codec.kvcodec import KVCodec
-from ..errors import CacheGenFormatError, StoreError
-from ..kv import KVCache, copy_pending, host_ready, to_host
-from ..keys.manifest import RAW_OPTIONS, Manifest, Option, manifest_key
-from ..codec.raw import RawCodec, Staged
-from ..pinned import HostArena, host_arena
-from ..stores.base import KVStore
-from ..streaming import rank
+from ...keys.chunks import Chunk, blob_key
+from ...codec.kvcodec import KVCodec
+from ...errors import CacheGenFormatError, StoreError
+from ...kv import KVCache, copy_pending, host_ready, to_host
+from ...keys.manifest import RAW_OPTIONS, Manifest, Option, manifest_key
+from ...codec.raw import RawCodec, Staged
+from ...pinned import HostArena, host_arena
+from ...stores.base import KVStore
+from ...streaming import rank
 from .hot import HotTier
 from .worker import DropRaw, Worker, wake_dropped
 

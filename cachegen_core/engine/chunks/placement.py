@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..coders import get_decoder
-from ..errors import BackendUnavailable
-from ..streaming import RAW_OPTIONS, TEXT, Option
-from .info import GenerationInfo
+from ...coders import get_decoder
+from ...errors import BackendUnavailable
+from ...streaming import RAW_OPTIONS, TEXT, Option
+from ..serving.info import GenerationInfo
 
 log = logging.getLogger("cachegen_core.engine")
 

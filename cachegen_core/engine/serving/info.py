@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..streaming import Option
+from ...streaming import Option
 
 
 @dataclass

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from ..codec.rotary import apply_rotary
-from ..kv import KVCache
-from .rope import Rope, rope_of
+from ...codec.rotary import apply_rotary
+from ...kv import KVCache
+from ..model.rope import Rope, rope_of
 
 #: Architectures whose decoder layers are Llama's (pre-norm, q/k/v/o projections, RoPE by rotate_half, MLP).
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2"})

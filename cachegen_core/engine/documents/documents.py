@@ -27,24 +27,24 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..keys.chunks import Chunk
-from ..errors import BlobMissing, CacheGenError, CacheGenFormatError, StoreError
-from ..kv import KVCache
-from ..keys.manifest import Manifest, manifest_key
-from ..keys.segments import document_pieces
-from ..ops.progress import progress_bar
-from ..streaming import TEXT, Controller, Option, StreamFailure
-from . import hf
+from ...keys.chunks import Chunk
+from ...errors import BlobMissing, CacheGenError, CacheGenFormatError, StoreError
+from ...kv import KVCache
+from ...keys.manifest import Manifest, manifest_key
+from ...keys.segments import document_pieces
+from ...ops.progress import progress_bar
+from ...streaming import TEXT, Controller, Option, StreamFailure
+from ..model import hf
 from .blend import BlendConfig, blend, blend_support, budget, forced_tokens, question_attention
-from .info import GenerationInfo
-from .reader import report
-from .rope import Rope, shift_keys
+from ..serving.info import GenerationInfo
+from ..chunks.reader import report
+from ..model.rope import Rope, shift_keys
 
 if TYPE_CHECKING:
-    from ..codec.kvcodec import KVCodec
-    from ..streaming import Estimator
-    from .reader import ChunkReader
-    from .writer import ChunkWriter
+    from ...codec.kvcodec import KVCodec
+    from ...streaming import Estimator
+    from ..chunks.reader import ChunkReader
+    from ..chunks.writer import ChunkWriter
 
 log = logging.getLogger("cachegen_core.engine")
 

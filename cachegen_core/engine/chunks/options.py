@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..codec.kvcodec import KVCodec
-from ..coders import no_coder_reason
-from ..streaming import LOSSLESS, RAW, RAW_OPTIONS, Option
+from ...codec.kvcodec import KVCodec
+from ...coders import no_coder_reason
+from ...streaming import LOSSLESS, RAW, RAW_OPTIONS, Option
 
 log = logging.getLogger("cachegen_core.engine")
 

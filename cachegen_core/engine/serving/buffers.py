@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from ..kv import KVCache, empty_tensor
+from ...kv import KVCache, empty_tensor
 
 
 class BufferPool:

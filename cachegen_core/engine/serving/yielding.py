@@ -68,18 +68,32 @@ class Stopped(Exception):
     """The background work was asked to stop (its ``stop`` event set)."""
 
 
+class _IdleOnly:
+    """Turns that lend nothing: background work runs only while ``idle`` is set."""
+
+    def __init__(self, idle: threading.Event) -> None:
+        self.idle, self.granted = idle, threading.Event()
+
+    def may_run(self) -> bool:
+        return self.idle.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.idle.wait(timeout)
+
+
 class Yielding(TorchDispatchMode):
-    """Pauses the thread that runs :meth:`active` before each torch op while ``idle`` is cleared (a request computes).
+    """Pauses the thread that runs :meth:`active` before each torch op while it may not compute: a request computes and
+    no turn is lent (``turns``: the process's :class:`~.turns.Turns`, or an event set while no request computes).
 
     ``stop``: set to end the work (the next op raises :class:`Stopped`). ``device``: where its ops run (a CUDA device:
-    on a stream of its own). ``paused`` is set while it waits for requests to end (or for ``quiet_s`` without one);
+    on a stream of its own). ``paused`` is set while it waits for a turn (or for ``quiet_s`` without a request);
     ``pauses`` counts the ops it held back for a request, ``ops`` the ops run.
     """
 
-    def __init__(self, idle: threading.Event, stop: threading.Event | None = None, *, quiet_s: float = 0.5,
+    def __init__(self, turns: Any, stop: threading.Event | None = None, *, quiet_s: float = 0.5,
                  device: torch.device | str | None = None) -> None:  # fmt: skip
         super().__init__()
-        self.idle = idle
+        self.turns = _IdleOnly(turns) if isinstance(turns, threading.Event) else turns
         self.stop = stop or threading.Event()
         self.quiet_s = quiet_s
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -102,7 +116,7 @@ class Yielding(TorchDispatchMode):
         :class:`Stopped` when asked to stop."""
         if self.stop.is_set():
             raise Stopped
-        if self.idle.is_set():
+        if self.turns.may_run():
             return
         held, self.pauses = self._held, self.pauses + 1
         if held is not None:
@@ -113,26 +127,36 @@ class Yielding(TorchDispatchMode):
             if held is not None:
                 held.acquire()
 
+    @property
+    def idle(self) -> threading.Event:
+        """Set while no request of the process computes."""
+        return self.turns.idle
+
     def wait_quiet(self) -> None:
-        """Wait until no request has computed for ``quiet_s`` (``paused`` set meanwhile; :class:`Stopped` when asked
-        to stop)."""
+        """Wait for a turn lent under load, or until no request has computed for ``quiet_s`` (``paused`` set meanwhile;
+        :class:`Stopped` when asked to stop)."""
         self.paused.set()
         try:
             while True:
                 if self.stop.is_set():
                     raise Stopped
-                if self.idle.wait(timeout=0.5) and not self.stop.wait(self.quiet_s) and self.idle.is_set():
+                if not self.turns.wait(timeout=0.5):
+                    continue
+                if self.turns.granted.is_set():
+                    return
+                if not self.stop.wait(self.quiet_s) and self.turns.may_run():
                     return
         finally:
             self.paused.clear()
 
     @contextlib.contextmanager
     def holding(self, lock: Any) -> Iterator[None]:
-        """Hold ``lock`` (the model's) once no request computes; let go of it whenever the thread pauses."""
+        """Hold ``lock`` (the model's: the scheduler takes it for each step) once this thread may compute; let go of it
+        whenever the thread pauses."""
         while True:
             self.wait_quiet()
             lock.acquire()
-            if self.idle.is_set():
+            if self.turns.may_run():
                 break
             lock.release()
         self._held = lock

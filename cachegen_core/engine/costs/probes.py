@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from ..errors import CacheGenError, StoreError
-from ..kv import KVCache
-from ..stores.base import fetches_on_cpu
-from ..streaming import RAW_OPTIONS, TEXT, Option
-from . import hf
-from .buffers import BufferPool
-from .yielding import Stopped, Yielding, stop_at_exit
+from ...errors import CacheGenError, StoreError
+from ...kv import KVCache
+from ...stores.base import fetches_on_cpu
+from ...streaming import RAW_OPTIONS, TEXT, Option
+from ..model import hf
+from ..serving.buffers import BufferPool
+from ..serving.yielding import Stopped, Yielding, stop_at_exit
 
 log = logging.getLogger("cachegen_core.engine")
 #: The largest synthetic chunk a build probe copies (bytes of its raw form).
