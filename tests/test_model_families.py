@@ -106,6 +106,33 @@ def test_lossless_reuse_answers_as_the_models_own_generate(name, tok):
     _check_lossless(name, _engine(name, tok), tok, _model(name))
 
 
+@pytest.mark.parametrize("name", SERVED)
+def test_a_batch_of_requests_answers_as_each_request_alone(name, tok):
+    """Requests of different lengths, sharing a prefix and not, stored and not, cold and warm: one batch
+    (``generate_many``: prompts sharing a batch-mate's prefix read it in place) and threads beside a running request
+    (which read its prefix in place): every greedy answer is the model's own ``generate`` of the request alone."""
+    import threading
+
+    model, engine = _model(name), _engine(name, tok)
+    context = words(20, 70)  # past the sliding window (48)
+    prompts = [f"{context} {words(21, 5)}", f"{context} {words(22, 30)}", words(23, 40), f"{context} {words(24, 12)}", words(25, 90)]
+    engine.generate(prompts[2], max_new_tokens=2)  # one of them stored: its chunks streamed, the others computed
+    results = engine.generate_many(prompts, max_new_tokens=NEW)
+    alone = [tok.decode(_greedy(model, engine.tokenize(p)), skip_special_tokens=True) for p in prompts]
+    for want, (text, info) in zip(alone, results):
+        assert text == want, f"{name}: a batched answer is not the model's"
+        assert not info.errors
+    assert sum(info.shared_tokens > 0 for _, info in results) >= 2  # the context computed once for three prompts
+    out: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i, p=p: out.__setitem__(i, engine.generate(p, max_new_tokens=NEW)[0]))
+               for i, p in enumerate(prompts)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [out[i] for i in range(len(prompts))] == alone
+
+
 @pytest.mark.parametrize("name", ATTENTION)
 def test_the_engines_own_attention_answers_as_sdpa(name, tok):
     """Models the engine loads itself get its SDPA (``attention.py``): same answers and KV as transformers' SDPA."""

@@ -97,7 +97,7 @@ def test_forged_blob_is_never_decoded_with_a_key(tiny_llama, tiny_tokenizer, how
     inner = MemoryStore()
     # the level alone stored: the chunks it stores are re-forged after each request (a raw form it stored, signed, would hit)
     eng = KVEngine(tiny_llama, tiny_tokenizer, store=SignedStore(inner, KEY), chunk_tokens=CHUNK, background=False,
-                   level=1, store_options=[1])  # fmt: skip
+                   level=1, store_options=[1], allow_text=False)  # fmt: skip  (on a tiny model text may be faster: it must fetch)
     planted = _plant_forged_chunks(eng, inner, prompt, how)
     decoded = _count_decodes(eng)
     with caplog.at_level(logging.WARNING):
@@ -116,7 +116,7 @@ def test_without_a_key_the_same_forgery_is_used(tiny_llama, tiny_tokenizer):
     """The control: the forgery above is well-formed enough that only the key stops it."""
     prompt = words(11, 3 * CHUNK + 20)
     inner = MemoryStore()
-    eng = KVEngine(tiny_llama, tiny_tokenizer, store=inner, chunk_tokens=CHUNK, background=False)
+    eng = KVEngine(tiny_llama, tiny_tokenizer, store=inner, chunk_tokens=CHUNK, background=False, allow_text=False)
     planted = _plant_forged_chunks(eng, inner, prompt, "no tag")
     decoded = _count_decodes(eng)
     _, info = eng.generate(prompt, max_new_tokens=6)

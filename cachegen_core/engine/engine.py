@@ -17,25 +17,32 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-from ..keys.chunks import Chunk, chunk_keys, partial_chunks, partial_ends, token_array
+from ..keys.chunks import Chunk, chunk_keys, partial_chunks, partial_ends
 from ..codec.kvcodec import KVCodec
 from ..errors import CacheGenError, StoreError
 from ..keys.fingerprint import model_fingerprint
 from ..kv import KVCache
 from ..ops.metrics import EngineMetrics, MetricsRecorder, summarise
 from ..ops.progress import progress_bar
+from ..ops.settings import load as load_settings
 from ..ops.settings import resolve_store
-from ..stores.base import KVStore, fetches_on_cpu
+from ..stores.base import KVStore
 from ..codec.raw import RawCodec
-from ..keys.segments import SegmentedPrompt, document_spans, prefix_ends, tokenize_parts
-from ..streaming import RAW_OPTIONS, Controller, Option, make_estimator, rank
+from ..keys.segments import SegmentedPrompt, tokenize_parts
+from ..streaming import RAW_OPTIONS, Option, make_estimator, rank
 from .model import hf
 from .documents.blend import BlendConfig, blend_config
 from .serving.buffers import BufferPool
 from .costs.cost import model_costs
-from .documents.documents import DocumentCaches, Indexed, Reused
-from .serving.info import GenerationInfo, covered_tokens
+from .documents.documents import DocumentCaches, Indexed
+from .requests import Batch
+from .serving.info import GenerationInfo
+from .serving.memory import DEFAULT_QUEUE, KVMemory, default_limit
+from .serving.prefixes import Held, RequestKV, SharedPrefixes
+from .serving.request import Job, Reused
+from .serving.scheduler import Scheduler
 from .loading import from_pretrained
 from .chunks.options import default_options, storable
 from .model.positions import check_positions, position_limit
@@ -73,6 +80,14 @@ class KVEngine:
     documents of a :class:`SegmentedPrompt` are reused from document caches wherever they land
     (``documents.py``): a preset of ``blend.PRESETS`` (``"fast"``, ``"balanced"``, ``"exact"``: documents
     are plain text, reused only in a prefix) or a ``BlendConfig``; None is ``"exact"``.
+
+    Many requests at once (threads, asyncio tasks, ``generate_many``) are batched: the engine's
+    :class:`~.serving.scheduler.Scheduler` owns the model and runs every running request's next token in one
+    forward, a joining request's prompt in pieces between them (``requests.py``). A prefix held by a running
+    request is read in place by every other request whose prompt starts with it (``share_prefixes``).
+    ``kv_memory``: bytes the KV of running requests may take (None: ``CACHEGEN_KV_MEMORY``, else a share of the
+    device's memory, ``serving/memory.py``); a request that does not fit waits in a queue of ``kv_queue``
+    requests, past which it fails with ``EngineBusy``.
     """
 
     def __init__(
@@ -94,6 +109,9 @@ class KVEngine:
         progress: bool | None = None,
         partial_step: int = 64,
         blend: BlendConfig | str | None = "fast",
+        kv_memory: int | None = None,
+        kv_queue: int | None = None,
+        share_prefixes: bool = True,
     ) -> None:
         if chunk_tokens < 1 or partial_step < 0:
             raise ValueError("chunk_tokens must be >= 1 and partial_step >= 0")
@@ -114,6 +132,7 @@ class KVEngine:
         if not any(rank(o) <= rank(self.level) for o in self.store_options):
             raise ValueError(f"store_options {self.store_options} hold nothing as fine as level {self.level!r}")
         self.add_special_tokens = add_special_tokens
+        self.background = background
         self.slo_s = slo_s
         self.allow_text = allow_text
         self.estimator_name = estimator
@@ -129,7 +148,16 @@ class KVEngine:
         why = self.reader.use_device(model.device)
         if why is not None:
             log.warning("the model is on %s but chunks decode on the CPU: %s", model.device, why)
-        self._lock = threading.Lock()  # one model call at a time
+        cost = self.cost_model  # read at each use (never the engine: a dropped engine is freed at once)
+        self.scheduler = Scheduler(model, tokenizer, seconds_per_token=lambda: cost.prefill_s_per_token,
+                                   observe_prefill=lambda *a: cost.observe_prefill(*a))  # fmt: skip
+        layers, heads, head_dim = self.kv_geometry
+        self.bytes_per_token = 2 * layers * heads * head_dim * hf.model_dtype(model).itemsize
+        env = load_settings()
+        kv_queue = kv_queue if kv_queue is not None else env.kv_queue if env.kv_queue is not None else DEFAULT_QUEUE
+        self.memory = KVMemory(kv_memory or env.kv_memory or default_limit(model.device), kv_queue, make_room=self.buffers.clear)
+        self.prefixes = SharedPrefixes()
+        self.share_prefixes = share_prefixes
         self.progress = progress  # progress bar on store_kv (None: CACHEGEN_PROGRESS, else on a terminal)
         self.metrics_recorder = MetricsRecorder()
         self.partial_step = partial_step
@@ -175,9 +203,15 @@ class KVEngine:
 
     def calculate_kv(self, context: str | Sequence[int]) -> KVCache:
         """Prefill ``context`` with the model and return its KV cache."""
-        ids = self._ids(context)
-        with self._lock:
-            return hf.prefill(self.model, ids)
+        return self.compute_kv(self._ids(context))
+
+    def compute_kv(self, ids: Sequence[int]) -> KVCache:
+        """The KV of ``ids`` computed by the scheduler into a buffer of its own (``calculate_kv`` without the checks)."""
+        layers, heads, head_dim = self.kv_geometry
+        shape, dtype = (layers, heads, len(ids), head_dim), hf.model_dtype(self.model)
+        kv = KVCache(torch.empty(shape, dtype=dtype, device=self.model.device), torch.empty(shape, dtype=dtype, device=self.model.device))
+        self._prefill(list(ids), kv, 0)
+        return kv
 
     def store_kv(self, context: str | Sequence[int]) -> list[str]:
         """Encode every complete chunk of ``context`` at every stored level, put them; return the chunk ids."""
@@ -204,9 +238,22 @@ class KVEngine:
 
     def generate_with_kv(self, kv: KVCache | None, prompt: str | Sequence[int], **generation_kwargs: Any) -> str:
         """Generate a continuation of ``prompt`` whose first ``kv.num_tokens`` tokens are covered by ``kv``."""
-        covered = kv.num_tokens if kv is not None else 0
-        text, _ = self._generate_ids(self._ids(prompt), kv, covered, time.perf_counter(), GenerationInfo(), generation_kwargs)
-        return text
+        new_tokens = int(generation_kwargs.get("max_new_tokens", hf.DEFAULT_MAX_NEW_TOKENS))
+        ids = self._ids(prompt, new_tokens)
+        covered = min(kv.num_tokens if kv is not None else 0, len(ids) - 1)
+        batch = Batch(self, [ids], generation_kwargs, share=False)
+        with self.writer.busy():
+            batch.prepare()
+            try:
+                r = batch.requests[0]
+                if covered:
+                    src = kv.slice(0, covered).to(device=r.kv.own.keys.device, dtype=r.kv.own.dtype)  # type: ignore[union-attr]
+                    r.kv.slice(0, covered).keys.copy_(src.keys)
+                    r.kv.slice(0, covered).values.copy_(src.values)
+                r.reused = Reused(max(covered, r.kv.offset), len(ids))
+                return batch.generate()[0].text
+            finally:
+                batch.release()
 
     # ------------------------------------------------------------ whole requests
     def generate(self, prompt: str | Sequence[int], *, streamer: Any = None, cancel: threading.Event | None = None,
@@ -214,19 +261,21 @@ class KVEngine:
         """Answer ``prompt``, reusing its longest cached run of leading chunks (and partial chunk) and, for a
         :class:`SegmentedPrompt`, its documents' caches wherever they land; returns (text, info).
 
-        ``generation_kwargs`` go to transformers' ``generate``, plus ``stop``: a list of
-        strings after which generation stops (the text is returned whole; callers cut it), and
-        ``seed`` (sampling's random generators for this request). Setting ``cancel`` (from any
-        thread) stops generation after the token being computed, ``finish_reason`` ``"cancelled"``.
+        ``generation_kwargs`` are transformers' generation settings (``max_new_tokens``, ``do_sample``,
+        ``temperature``...), plus ``stop``: a list of strings after which generation stops (the text is returned
+        whole; callers cut it), and ``seed`` (this request's random generator). Setting ``cancel`` (from any
+        thread) stops generation after the token being computed, ``finish_reason`` ``"cancelled"``. Requests from
+        other threads run batched with it.
         """
         return self._answer([prompt], generation_kwargs, streamer=streamer, cancel=cancel)[0]
 
     def generate_many(self, prompts: Sequence[str | Sequence[int]], *, cancel: threading.Event | None = None,
                       **generation_kwargs: Any) -> list[tuple[str, GenerationInfo]]:  # fmt: skip
-        """Answer several prompts that arrived together: their cached chunks are streamed as one batch.
+        """Answer several prompts that arrived together: their cached chunks are streamed as one batch and they are
+        generated together.
 
-        A chunk shared by several prompts is fetched and decoded once, and the
-        controller plans with the bytes of the whole batch against the SLO.
+        A chunk shared by several prompts is fetched and decoded once (and its KV held once when they start with
+        it), and the controller plans with the bytes of the whole batch against the SLO.
         """
         return self._answer(list(prompts), generation_kwargs, cancel=cancel)
 
@@ -241,59 +290,29 @@ class KVEngine:
     def prompt_kv(self, prompt: str | Sequence[int]) -> tuple[KVCache, GenerationInfo]:
         """The KV of ``prompt`` as a request builds it (stored chunks streamed, documents' caches moved and blended,
         the rest prefilled), without generating or storing anything: for measuring what reuse costs in quality."""
-        ids, _, buffer, _, r, info = next(zip(*self._reuse([prompt], 0)))
-        if r.filled < len(ids):
-            self._prefill(ids[r.filled :], buffer, r.filled)
-        return buffer.slice(0, len(ids)), info
-
-    def _reuse(self, prompts: list[str | Sequence[int]], new_tokens: int) -> tuple[list, ...]:
-        """Per prompt: ids, chunks, a buffer for them and ``new_tokens``, covered prefix, ``Reused``, info."""
-        infos = [GenerationInfo() for _ in prompts]
-        all_ids = [self._ids(p, new_tokens) for p in prompts]
-        buffers = [self.buffers.take(len(ids) + new_tokens + 1) for ids in all_ids]  # uninitialised, model dtype and device
-        arrays = [token_array(ids) for ids in all_ids]  # converted once: keys, then partial chunks' keys
-        all_chunks = [self._chunk_keys(a) for a in arrays]
-        for ids, info in zip(all_ids, infos):
-            info.prompt_tokens = len(ids)
-        controller = Controller(tuple(self.stream_options), self.slo_s, self.cost_model.prefill_s_per_token, allow_text=self.allow_text,
-                                floor=self.level, serial=fetches_on_cpu(self.store))  # fmt: skip
-        partials = [self._partials(a) for a in arrays] if 0 < self.partial_step < self.chunk_tokens else None
-        spans = [document_spans(p) for p in prompts]
-        documents = self.documents is not None and any(spans)
-        # one prompt, no deadline, no documents: text chunks that end the stream are prefilled with the prompt's rest
-        defer = len(prompts) == 1 and self.slo_s is None and not documents
-        streamed = self.reader.stream(list(zip(all_ids, all_chunks, buffers)), infos, floor=self.level, controller=controller,
-                                      estimator=self.estimator, prefill=self._prefill, partials=partials, defer_text=defer)  # fmt: skip
-        covered = [c for c, _ in streamed]  # found in the store: not stored again
-        for done, info in zip(covered, infos):
-            info.partial_tokens = done % self.chunk_tokens
-        reused = [Reused(filled, len(ids)) for ids, (_, filled) in zip(all_ids, streamed)]
-        if documents:
-            reused = self.documents.reuse(all_ids, spans, buffers, [f for _, f in streamed], infos, controller)  # type: ignore[union-attr]
-        return all_ids, all_chunks, buffers, covered, reused, infos
+        batch = Batch(self, [prompt], {"max_new_tokens": 0}, share=False, generating=False)
+        with self.writer.busy():
+            try:
+                batch.prepare()
+                batch.reuse()
+                r = batch.requests[0]
+                if r.filled < len(r.ids):
+                    self._prefill(r.ids[r.filled :], r.kv, r.filled)
+                r.kv.holder.lent = True  # the caller keeps it: not a buffer for the next request
+                return r.kv.own.slice(0, len(r.ids)), r.info
+            finally:
+                batch.release()
 
     def _answer(self, prompts: list[str | Sequence[int]], generation_kwargs: dict[str, Any], streamer: Any = None,
                 cancel: threading.Event | None = None) -> list[tuple[str, GenerationInfo]]:  # fmt: skip
-        start, new_tokens = time.perf_counter(), int(generation_kwargs.get("max_new_tokens", hf.DEFAULT_MAX_NEW_TOKENS))
-        out, seen = [], set()
-        with self.writer.busy():  # the background writer encodes no level beside this request
-            for i, (prompt, ids, chunks, buffer, done, r, info) in enumerate(zip(prompts, *self._reuse(prompts, new_tokens))):
-                text, cache = self._generate_ids(ids, buffer, r.filled, start, info, generation_kwargs, streamer=streamer,
-                                                 computed=r.computed, cancel=cancel)  # fmt: skip
-                if done > r.filled:  # text chunks left to the generation's pass count as reused, as when the stream prefills them
-                    info.cached_tokens = min(done, len(ids) - 1)
-                    info.recomputed_tokens = len(ids) - info.cached_tokens
-                if cache is not None:  # None: cancelled before the prompt was computed, nothing to store
-                    queued = self._store_new_chunks(chunks, done, buffer, info, ids, r.exact, document_spans(prompt), prefix_ends(prompt))
-                    if self.documents is not None and r.missing:
-                        queued += self.documents.store(ids, r, info, seen)
-                    info.tokens_queued = covered_tokens(queued)
-                info.total_s = time.perf_counter() - start
-                self.metrics_recorder.record(info, store=repr(self.store), chunk_tokens=self.chunk_tokens,
-                                             prefill_s_per_token=self.cost_model.prefill_s_per_token, fetch_counted=i > 0)
-                out.append((text, info))
-                if (not info.chunks_queued or buffer.keys.is_cuda) and not r.missing:  # no view of it queued for the writer
-                    self.buffers.give(buffer)  # (from a GPU the writer took copies, made before any later use of it)
+        batch = Batch(self, prompts, generation_kwargs, streamer, cancel)
+        with self.writer.busy():  # background work waits, or gets the share the schedulers lend it
+            try:
+                batch.prepare()
+                batch.reuse()
+                out = batch.finish(batch.generate())
+            finally:
+                batch.release()
         self.prober.drain()  # without a background thread, the costs due a measurement are measured now
         return out
 
@@ -307,40 +326,13 @@ class KVEngine:
         """The partial chunks of ``ids`` that may follow a run of complete chunks ending at a token."""
         return lambda end: partial_chunks(ids, end, chunk_tokens=self.chunk_tokens, step=self.partial_step, fingerprint=self.fingerprint, codec_id=self.codec.codec_id, profile_id=self.codec.profile_id or "")  # fmt: skip  # noqa: E501
 
-    def _prefill(self, ids: list[int], buffer: KVCache, start: int) -> None:
-        """KV of ``ids`` computed into ``buffer[start:]`` on top of ``buffer[:start]`` (the text option), timed."""
-        t = time.perf_counter()
-        with self._lock:
-            hf.prefill_into(self.model, ids, buffer, start)
-        self.cost_model.observe_prefill(len(ids), start, time.perf_counter() - t)
+    def _prefill(self, ids: list[int], buffer: KVCache | RequestKV, start: int) -> None:
+        """KV of ``ids`` computed into ``buffer[start:]`` on top of ``buffer[:start]`` (the text option), by the scheduler
+        between its steps (the cost model fed the seconds of the steps that computed it alone)."""
+        kv = buffer if isinstance(buffer, RequestKV) else RequestKV(buffer, Held(buffer))
+        self.scheduler.run(Job(ids, kv, start))
 
-    # ------------------------------------------------------------ generation and storing
-    def _generate_ids(
-        self, ids: list[int], kv: KVCache | None, covered: int, start: float, info: GenerationInfo,
-        generation_kwargs: dict[str, Any], streamer: Any = None, computed: int = 0, cancel: threading.Event | None = None,
-    ) -> tuple[str, Any]:  # fmt: skip
-        """Generate after ``ids``, the first ``covered`` of which ``kv`` holds (its other tokens: room to write in),
-        ``computed`` of them computed in this request rather than reused; returns the text and the model's cache
-        (None: ``cancel`` was set before the prompt was computed)."""
-        covered = min(covered, len(ids) - 1)  # generate() needs at least one token to prefill
-        info.cached_tokens = max(0, covered - computed)
-        info.recomputed_tokens = len(ids) - info.cached_tokens
-        with self._lock:
-            if cancel is not None and cancel.is_set():
-                info.finish_reason = "cancelled"
-                if streamer is not None:
-                    streamer.end()
-                return "", None
-            began = time.perf_counter() - start  # the generation's pass: the prompt's rest prefilled, the first token
-            out = hf.generate(self.model, self.tokenizer, ids, kv, start, generation_kwargs, streamer, filled=covered, cancel=cancel)
-        info.new_tokens = out.new_tokens
-        info.finish_reason, info.stop_sequence = out.finish_reason, out.stop_sequence
-        info.ttft_s = out.ttft_s if out.ttft_s is not None else time.perf_counter() - start
-        if out.ttft_s is not None and not computed:  # (reused documents blend: not a plain prefill)
-            self.cost_model.observe_prefill(info.recomputed_tokens, covered, out.ttft_s - began)
-        return out.text, out.cache
-
-    def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: KVCache, info: GenerationInfo, ids: Sequence[int],
+    def _store_new_chunks(self, chunks: list[Chunk], done: int, buffer: RequestKV, info: GenerationInfo, ids: Sequence[int],
                           exact: int, spans: Sequence[tuple[int, int]] = (), prefixes: Sequence[int] = ()) -> list[tuple[int, int]]:  # fmt: skip
         """Hand the writer, as views of the request's buffer (filled in place, written to no more), the complete chunks
         computed (not fetched) here and the partial chunks ending before ``exact`` (past it reused documents made the KV
@@ -366,8 +358,12 @@ class KVEngine:
         return queued
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued chunks to be stored; False if ``timeout`` passed first."""
-        return self.writer.flush(timeout)
+        """Wait for queued chunks (and documents, computed in the background after their answers) to be stored; False
+        if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.documents is not None and not self.documents.indexer.join(timeout):
+            return False
+        return self.writer.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self, timeout: float | None = None) -> bool:
         """Store what is queued (up to ``timeout``), stop the writer's thread and free the kept buffers (a
@@ -377,6 +373,9 @@ class KVEngine:
         if self.profile_fitter is not None:
             self.profile_fitter.stop(timeout)
         self.prober.stop(timeout)
+        if self.documents is not None:
+            self.documents.indexer.join(timeout)
+            self.documents.indexer.stop(timeout)
         done = self.writer.close(timeout)
         self.buffers.clear()
         self.reader.clear()

@@ -146,7 +146,7 @@ class ProfileFitter:
         self.weights_refined = False
         self.done = threading.Event()
         self._stop = threading.Event()
-        self.yielding = Yielding(engine.writer.idle, self._stop, quiet_s=quiet_s, device=engine.model.device)
+        self.yielding = Yielding(engine.writer.turns, self._stop, quiet_s=quiet_s, device=engine.model.device)
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="cachegen-profile", daemon=True)
         stop_at_exit(self)
@@ -169,7 +169,7 @@ class ProfileFitter:
 
     def _guard(self) -> AbstractContextManager[None]:
         """Hold the engine's model lock for one model call, let go whenever a request computes."""
-        return self.yielding.holding(self._engine._lock)
+        return self.yielding.holding(self._engine.scheduler.lock)
 
     def _wait_start(self) -> None:
         """Until the engine has answered a request, or ``start_after_s`` has passed."""
@@ -228,7 +228,7 @@ def measure_weights(engine: Any, *, name: str = "MODEL") -> bool:
     one short Fisher draw, holding the model lock); False, logged, when they cannot be measured (plain steps then)."""
     t0 = time.perf_counter()
     try:
-        with engine._lock:
+        with engine.scheduler.exclusive():
             weights = fit_weights(engine.model, engine.tokenizer, config=engine.codec.config, rotary=RotarySpec.from_model(engine.model))
         engine.codec.step_weights = check_weights(weights)
     except MEASURE_ERRORS as e:

@@ -20,7 +20,7 @@ from ..codec.limits import DecodeLimits
 from ..stores.base import DEFAULT_NAMESPACE, KVStore
 
 #: Engine keyword arguments a setting can supply, and the setting that does.
-ENGINE_FIELDS = ("chunk_tokens", "level", "store_options", "slo_s", "progress")
+ENGINE_FIELDS = ("chunk_tokens", "level", "store_options", "slo_s", "progress", "kv_memory", "kv_queue")
 _RAW_FORMS = ("raw", "lossless")
 
 
@@ -56,6 +56,18 @@ class CacheGenSettings(BaseSettings):
     max_tokens: int | None = Field(None, ge=1, description="tokens of one chunk")
     progress: bool | None = Field(None, description="progress bar on long cold work (on a terminal)")
     auto_profile: bool = Field(True, description="fit a model's missing profile in the background and share it via the store")
+    kv_memory: int | None = Field(None, ge=1, description="bytes the KV of running requests may take, e.g. 8G (default: a share of "
+                                  "the device's memory)")
+    kv_queue: int | None = Field(None, ge=0, description="requests that may wait for KV memory before one is refused")
+
+    @field_validator("kv_memory", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            from ..stores.url import parse_size  # noqa: PLC0415
+
+            return parse_size(v) if v.strip() else None
+        return v
 
     @field_validator("store_options", mode="before")
     @classmethod

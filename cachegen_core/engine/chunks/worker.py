@@ -25,6 +25,7 @@ from ...keys.chunks import Chunk
 from ...errors import StoreError
 from ...kv import KVCache
 from ...keys.manifest import Manifest, Option
+from ..serving.turns import Turns
 from .hot import HotTier
 
 log = logging.getLogger("cachegen_core.engine")
@@ -36,7 +37,7 @@ class Writes(Protocol):
     hot: HotTier
 
     @property
-    def idle(self) -> threading.Event: ...
+    def turns(self) -> Turns: ...
 
     @property
     def stages(self) -> list[list[Option]]: ...
@@ -57,6 +58,7 @@ class Worker:
     def __init__(self, writer: Writes, maxsize: int) -> None:
         self._writer = weakref.proxy(writer)
         self._hot = writer.hot
+        self._turns = writer.turns
         self.queue: queue.Queue[tuple[Chunk, KVCache, int, Manifest | None, dict[Option, bytes] | None] | DropRaw | None] = queue.Queue(maxsize=maxsize)
         self._later: deque[tuple[Chunk, KVCache, Manifest | None, int] | DropRaw] = deque()  # later stages to write, in order
         self.dropped = self.failed = self.written = 0  # counted by count(): request threads count too
@@ -98,16 +100,17 @@ class Worker:
         except (AttributeError, OSError):
             pass
         while not self._stopping:
-            try:  # a new chunk's first stage before any chunk's later stages, which wait for no request to run
+            try:  # a new chunk's first stage before any chunk's later stages, which wait for a turn (no request runs)
                 if not self._later:
                     item = self.queue.get()
-                elif self._writer.idle.is_set():
+                elif self._turns.may_run():
                     item = self.queue.get_nowait()
                 else:
                     item = self.queue.get(timeout=0.05)
             except queue.Empty:
-                if self._writer.idle.is_set():
-                    self._later_stage()
+                with self._turns.turn(timeout=0.05) as ok:  # waiting for it: a scheduler lends one under load
+                    if ok:
+                        self._later_stage()
                 continue
             except ReferenceError:
                 return self._dropped_writer()

@@ -28,8 +28,8 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 from ...keys.chunks import Chunk, blob_key
 from ...codec.kvcodec import KVCodec
@@ -40,6 +40,7 @@ from ...codec.raw import RawCodec, Staged
 from ...pinned import HostArena, host_arena
 from ...stores.base import KVStore
 from ...streaming import rank
+from ..serving.turns import TURNS, Turns
 from .hot import HotTier
 from .worker import DropRaw, Worker, wake_dropped
 
@@ -63,30 +64,6 @@ class StoreHealth:
         self.failing = False
 
 
-class _RequestGate:
-    """How many requests of this process are computing; ``idle`` is set when none is."""
-
-    def __init__(self) -> None:
-        self.idle = threading.Event()
-        self.idle.set()
-        self._count = 0
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        with self._lock:
-            self._count += 1
-            self.idle.clear()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._count -= 1
-                if not self._count:
-                    self.idle.set()
-
-
-_GATE = _RequestGate()
 
 
 class ChunkWriter:
@@ -133,16 +110,22 @@ class ChunkWriter:
             weakref.finalize(self, wake_dropped, self._worker).atexit = False  # at exit _flush_at_exit stops it
 
     @property
+    def turns(self) -> Turns:
+        """The process's turns between requests and background work (``serving/turns.py``)."""
+        return TURNS
+
+    @property
     def idle(self) -> threading.Event:
         """Set while no request of any engine of this process holds :meth:`busy`."""
-        return _GATE.idle
+        return TURNS.idle
 
     def busy(self) -> AbstractContextManager[None]:
         """Held by a request while it computes: no background worker of this process starts a later
         stage (levels) meanwhile, as the cores are shared (encoding levels beside a prefill on 2
         cores slowed it by 10-40 %); first stages (the raw form, what the next request needs) are
-        never held back."""
-        return _GATE.busy()
+        never held back. Under continuous load the schedulers lend the later stages a share of the time
+        (``Turns.lend``)."""
+        return TURNS.busy()
 
     @property
     def stages(self) -> list[list[Option]]:

@@ -71,7 +71,7 @@ class Prober:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.yielding = Yielding(engine.writer.idle, self._stop, quiet_s=quiet_s, device=engine.model.device)
+        self.yielding = Yielding(engine.writer.turns, self._stop, quiet_s=quiet_s, device=engine.model.device)
         self._warm: set[Option] = set()
         self._buffers = BufferPool(*engine.kv_geometry, hf.model_dtype(engine.model), engine.model.device, keep=1)  # faulted once
         self.measured = self.dropped = 0
@@ -220,7 +220,7 @@ class Prober:
         ids = [(7 + 31 * i) % vocab if vocab else 0 for i in range(tokens)]  # any tokens: the cost is the same
         out = self._buffers.take(tokens)
         try:
-            with self.yielding.holding(e._lock) if self.background else e._lock:
+            with self.yielding.holding(e.scheduler.lock) if self.background else e.scheduler.exclusive():
                 seconds = self._timed(lambda: hf.prefill_into(e.model, ids, out, 0))[1]
         finally:
             self._buffers.give(out)

@@ -18,7 +18,6 @@ frequencies depend on the sequence length) treat documents as plain text; the re
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -28,15 +27,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ...keys.chunks import Chunk
-from ...errors import BlobMissing, CacheGenError, CacheGenFormatError, StoreError
+from ...errors import BlobMissing, CacheGenFormatError, StoreError
 from ...kv import KVCache
 from ...keys.manifest import Manifest, manifest_key
 from ...keys.segments import document_pieces
 from ...ops.progress import progress_bar
 from ...streaming import TEXT, Controller, Option, StreamFailure
-from ..model import hf
+from .indexer import DocumentIndexer
 from .blend import BlendConfig, blend, blend_support, budget, forced_tokens, question_attention
 from ..serving.info import GenerationInfo
+from ..serving.request import Reused
 from ..chunks.reader import report
 from ..model.rope import Rope, shift_keys
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from ...streaming import Estimator
     from ..chunks.reader import ChunkReader
     from ..chunks.writer import ChunkWriter
+    from ..serving.scheduler import Scheduler
 
 log = logging.getLogger("cachegen_core.engine")
 
@@ -61,24 +62,12 @@ class Host(Protocol):
     estimator: Estimator
     reader: ChunkReader
     writer: ChunkWriter
-    _lock: threading.Lock  # one model call at a time
+    scheduler: Scheduler  # the model's owner: every forward goes through it
+    background: bool  # work after the answer in background threads (else before it returns)
 
     def _prefill(self, ids: list[int], buffer: KVCache, start: int) -> None: ...
 
-
-@dataclass(frozen=True)
-class Reused:
-    """What the document step left in one prompt's buffer.
-
-    ``filled``: leading tokens the buffer holds; ``exact``: the KV before this token is exact (what
-    the prefix cache may store); ``computed``: tokens of ``[covered, filled)`` computed rather than
-    reused; ``missing``: document spans to compute on their own and store after the answer.
-    """
-
-    filled: int
-    exact: int
-    computed: int = 0
-    missing: tuple[tuple[int, int], ...] = ()
+    def compute_kv(self, ids: Sequence[int]) -> KVCache: ...
 
 
 @dataclass(frozen=True)
@@ -121,6 +110,7 @@ class DocumentCaches:
         bos = getattr(engine.tokenizer, "bos_token_id", None)
         self.preamble: tuple[int, ...] = (int(bos),) if bos is not None else ()
         self._warned = False
+        self.indexer = DocumentIndexer(engine, self.preamble, self.pieces, background=engine.background)
 
     def pieces(self, doc_ids: Sequence[int]) -> list[Chunk]:
         """The stored pieces of a document (spans relative to it) with their keys."""
@@ -130,8 +120,7 @@ class DocumentCaches:
 
     def compute(self, doc_ids: Sequence[int]) -> KVCache:
         """The document's KV computed on its own (after the preamble), at positions ``len(preamble)`` on."""
-        with self.engine._lock:
-            return hf.prefill(self.engine.model, [*self.preamble, *doc_ids]).slice(len(self.preamble))
+        return self.engine.compute_kv([*self.preamble, *doc_ids]).slice(len(self.preamble))
 
     def _refused(self) -> None:
         if not self._warned:
@@ -186,7 +175,7 @@ class DocumentCaches:
         cfg, scores = self.config, None
         first = forced_tokens(cfg, docs, start, cached, question=end < len(ids))
         t = time.perf_counter()
-        with self.engine._lock:
+        with self.engine.scheduler.exclusive():
             if cfg.select == "question" and end < len(ids) and budget(cached, cfg.recompute_ratio):
                 scores = question_attention(self.engine.model, ids, buffer, start, end, cached, cfg.question_tokens)
             n = blend(self.engine.model, ids, buffer, start, end, cached, cfg.recompute_ratio,
@@ -274,24 +263,20 @@ class DocumentCaches:
 
     # ------------------------------------------------------------ after generation
     def store(self, ids: Sequence[int], reused: Reused, info: GenerationInfo, seen: set[str]) -> list[tuple[int, int]]:
-        """Compute each missing document of the prompt on its own and queue its pieces for the writer
-        (``seen``: first piece keys already stored in this batch, added to); returns the spans of those queued."""
-        queued = []
+        """Queue each missing document of the prompt for the background indexer (``indexer.py``: computed on its own
+        after the answer, its pieces then queued for the writer; ``seen``: first piece keys already queued in this
+        batch, added to); returns the spans queued."""
+        queued, docs = [], []
         for s, e in reused.missing:
             pieces = self.pieces(ids[s:e])
             if pieces[0].key in seen:
                 continue
             seen.add(pieces[0].key)
-            try:
-                kv = self.compute(ids[s:e])
-                for c in pieces:
-                    if self.engine.writer.submit(c, kv.slice(c.start, c.end)):
-                        info.chunks_queued += 1
-                        queued.append((s + c.start, s + c.end))
-            except StoreError as err:  # logged once by the writer
-                info.errors.append(f"storing a document failed: {err}")
-            except CacheGenError as err:
-                report(info, f"storing a document failed: {err}")
+            docs.append(list(ids[s:e]))
+            info.chunks_queued += len(pieces)
+            queued += [(s + c.start, s + c.end) for c in pieces]
+        if docs:
+            self.indexer.submit(docs)
         return queued
 
     # ------------------------------------------------------------ ahead of any prompt

@@ -161,6 +161,17 @@ def model_cache(model: Any, kv: KVCache | None, filled: int | None = None) -> An
     return cache
 
 
+def _plain_cache(model: Any, kv: KVCache | None, filled: int | None, beams: int) -> Any:
+    """A transformers cache of its own layers holding ``kv``'s first ``filled`` tokens once per beam (beam search
+    reorders the cache's batch, which a buffer's views cannot follow)."""
+    if kv is None or not filled:
+        return None
+    cache, part = DynamicCache(config=model.config), kv.slice(0, filled)
+    for i in range(kv.num_layers):
+        cache.update(part.keys[i : i + 1].repeat(beams, 1, 1, 1), part.values[i : i + 1].repeat(beams, 1, 1, 1), i)
+    return cache
+
+
 @torch.no_grad()
 def prefill(model: Any, ids: Sequence[int], past: KVCache | None = None) -> KVCache:
     """KV of ``ids`` computed by the model on top of ``past`` (only the new tokens, owning their memory).
@@ -315,14 +326,15 @@ def generate(
         kwargs["stopping_criteria"] = criteria
     if kwargs.get("pad_token_id") is None and tokenizer.pad_token_id is None:
         kwargs["pad_token_id"] = tokenizer.eos_token_id
+    beams = int(kwargs.get("num_beams") or 1) > 1  # beam search takes no streamer: no first-token time then
     timer = FirstTokenTimer(start, streamer)
     input_ids = torch.tensor([list(ids)], device=model.device)
     with _seeded(seed, model.device):
         out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            **cache_arg(model, model_cache(model, past, filled)),
-            streamer=timer,
+            **cache_arg(model, _plain_cache(model, past, filled, int(kwargs['num_beams'])) if beams else model_cache(model, past, filled)),
+            streamer=streamer if beams else timer,
             return_dict_in_generate=True,
             **kwargs,
         )

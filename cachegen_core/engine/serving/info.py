@@ -25,6 +25,8 @@ class GenerationInfo:
     none that it read from the store (LangChain's ``cache_creation``). ``decode_device``: where the
     compressed chunks streamed were decoded (``"cpu"``, ``"cuda:0"``...: the model's device when the
     coder has a decoder there that runs, else the CPU, the reason logged once); None when none was.
+    ``shared_tokens``: leading tokens read in place from the KV another running request holds (counted in
+    ``cached_tokens``; none of them streamed).
     """
 
     prompt_tokens: int = 0
@@ -50,6 +52,7 @@ class GenerationInfo:
     finish_reason: str | None = None
     stop_sequence: str | None = None
     decode_device: str | None = None
+    shared_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

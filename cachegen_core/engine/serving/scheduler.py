@@ -1,0 +1,293 @@
+"""The scheduler: the one owner of an engine's model, batching every running request's next token into one forward.
+
+Continuous batching (Orca, vLLM): requests join and leave between steps. Each step is one packed forward
+(``model/packed.py``) holding every decoding request's next token and, within a budget of tokens, pieces of the
+prompts still being computed (a joining request's uncached tail, a text chunk a stream recomputes, a document),
+first come first served. While requests decode, a piece is sized to take about one decode step (from the seconds per
+token the engine measured), so a joining request holds the others' next token up by about one step; with nothing
+decoding it takes up to :data:`MAX_PIECE` tokens. Each request picks its next token by its own
+:class:`~..model.decoding.Decoding` (greedy ones in one op); a request that ends (a stop, its length, its
+cancel event, an error) leaves at once, the others go on. A step that raises is run again request by request, so a
+failing request fails alone.
+
+The step holds :attr:`Scheduler.lock`; other model work takes it between steps: :meth:`Scheduler.exclusive` for the
+engine's own calls that are not steps (the blend, a request ``generate`` must serve), and background work through
+``yielding.py`` (the profile fit, probes), which the process's :class:`~.turns.Turns` lends a share of the time
+under continuous load. The thread starts when work arrives and ends when none is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..model import hf, packed
+from .request import Job, State
+from .turns import TURNS, Turns
+
+log = logging.getLogger("cachegen_core.engine")
+
+#: Most prompt tokens one step computes (a prompt longer is computed in pieces of this many).
+MAX_PIECE = 4096
+#: Fewest prompt tokens a step gives a piece while requests decode.
+MIN_PIECE = 16
+#: Most requests decoding together (a request past it waits for one to leave).
+MAX_BATCH = 256
+
+
+class Scheduler:
+    """Runs :class:`~.request.Job` s on ``model`` (see the module doc). ``seconds_per_token``: the measured prefill
+    cost (sizes the pieces); ``observe_prefill(tokens, position, seconds)``: fed every step that computed one piece
+    alone."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, turns: Turns = TURNS, seconds_per_token: Callable[[], float] | None = None,
+                 observe_prefill: Callable[[int, int, float], None] | None = None, max_batch: int = MAX_BATCH) -> None:  # fmt: skip
+        self.model, self.tokenizer, self.turns = model, tokenizer, turns
+        self.windows = hf.cache_layers(model)
+        self.why_not = packed.packs(model)  # None: requests are batched
+        self.seconds_per_token, self.observe_prefill, self.max_batch = seconds_per_token, observe_prefill, max_batch
+        self.lock = threading.Lock()  # held for each step: model work outside steps takes it too
+        self._cond = threading.Condition()
+        self._new: deque[Job] = deque()
+        self._running: list[Job] = []
+        self._wanted = 0  # callers of exclusive() waiting for the model
+        self._thread: threading.Thread | None = None
+        self.steps = self.batched_steps = 0
+        self.decode_s = 0.0  # last decode-only step's seconds
+        self.max_running = 0
+
+    # ------------------------------------------------------------ submitting work
+    def submit(self, job: Job) -> Job:
+        """Queue ``job`` for the next step."""
+        job.pending = len(job.ids)
+        if not job.pending and job.decoding is None:  # nothing to compute
+            job.state = State.FINISHED
+            job.done.set()
+            return job
+        with self._cond:
+            self._new.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="cachegen-scheduler", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return job
+
+    def run(self, job: Job) -> Job:
+        """Submit ``job`` and wait until it has left the batch (raises what failed it)."""
+        return self.submit(job).wait()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The model for this thread alone, between two steps (for work that is not a step)."""
+        with self._cond:
+            self._wanted += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._cond:
+                self._wanted -= 1
+                self._cond.notify_all()
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return len(self._running) + len(self._new)
+
+    # ------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._wanted:
+                    self._cond.wait(timeout=0.05)
+                while self._new and len(self._running) < self.max_batch:
+                    self._running.append(self._new.popleft())
+                if not self._running:
+                    self._thread = None
+                    return
+                jobs = list(self._running)
+            t = time.perf_counter()
+            with self.lock, self.turns.busy():
+                self._step(jobs)
+            self.turns.lend(time.perf_counter() - t)
+
+    @staticmethod
+    def _prefilled(job: Job) -> None:
+        """``job``'s prompt is computed: what it publishes (``on_prefilled``) becomes readable by others."""
+        job.computed = True
+        try:
+            if job.on_prefilled is not None:
+                job.on_prefilled()
+        except Exception as e:  # noqa: BLE001  publishing is an optimisation: never a failure of the request
+            log.warning("publishing a request's prefix failed: %s", e)
+        job.prefilled.set()
+
+    def _leave(self, job: Job, reason: str | None = None, error: BaseException | None = None) -> None:
+        """``job`` leaves the batch: finished (``reason``), failed (``error``) or cancelled."""
+        job.prefilled.set()  # nothing waits for a prompt that will not be computed
+        if error is not None:
+            job.error = error
+        elif job.decoding is not None:
+            self._finish(job, reason)
+        job.state = State.FINISHED
+        with self._cond:
+            if job in self._running:
+                self._running.remove(job)
+        job.done.set()
+
+    def _finish(self, job: Job, reason: str | None) -> None:
+        """The answer's text and why it ended (as ``hf.generate`` says it: ``"stop"`` at an end of sequence, a stop
+        string or a caller's criterion, ``"length"`` at the token limit, ``"cancelled"``); the streamer told."""
+        from ..model.decoding import first_stop  # noqa: PLC0415
+
+        d = job.decoding
+        assert d is not None
+        job.text = self.tokenizer.decode(job.new, skip_special_tokens=True) if job.new else ""
+        job.stop_sequence = first_stop(job.text, d.stops)
+        natural = (bool(job.new) and job.new[-1] in d.eos) or job.stop_sequence is not None
+        if not natural and (len(job.new) >= d.max_new_tokens or reason == "length"):
+            job.finish_reason = "length"
+        elif not natural and reason == "cancelled":
+            job.finish_reason = "cancelled"
+        else:
+            job.finish_reason = "stop"
+        if job.streamer is not None:
+            job.streamer.end()
+
+    def _budget(self, decoding: int) -> int:
+        """Prompt tokens this step may compute."""
+        if not decoding or self.seconds_per_token is None:
+            return MAX_PIECE
+        per = max(self.seconds_per_token(), 1e-6)
+        return int(min(MAX_PIECE, max(MIN_PIECE, self.decode_s / per)))
+
+    def _step(self, jobs: list[Job]) -> None:
+        for j in jobs:
+            if j.cancelled:
+                self._leave(j, "cancelled")
+        jobs = [j for j in jobs if j.state is not State.FINISHED]
+        decoding = [j for j in jobs if j.state is State.DECODING]
+        budget, pieces = self._budget(len(decoding)), []
+        for j in jobs:
+            if j.state is State.PREFILLING and budget > 0:
+                n = min(j.pending, budget)
+                pieces.append((j, n))
+                budget -= n
+        if not decoding and not pieces:
+            return
+        t = time.perf_counter()
+        try:
+            self._forward(decoding, pieces)
+        except Exception as e:  # noqa: BLE001  one request's failure must not fail the others: run them alone
+            if len(decoding) + len(pieces) == 1:
+                self._leave((decoding or [pieces[0][0]])[0], error=e)
+                return
+            log.warning("a batched step failed (%s): running its requests one by one", e)
+            for j in decoding:
+                self._alone([j], [])
+            for j, n in pieces:
+                self._alone([], [(j, n)])
+            return
+        seconds = time.perf_counter() - t
+        self.steps += 1
+        self.batched_steps += len(decoding) + len(pieces) > 1
+        if decoding and not pieces:
+            self.decode_s = seconds
+        elif len(pieces) == 1 and not decoding and self.observe_prefill is not None:
+            j, n = pieces[0]
+            self.observe_prefill(n, j.at + len(j.ids) - j.pending - n, seconds)
+
+    def _alone(self, decoding: list[Job], pieces: list[tuple[Job, int]]) -> None:
+        job = (decoding or [pieces[0][0]])[0]
+        if job.state is State.FINISHED:
+            return
+        try:
+            self._forward(decoding, pieces)
+        except Exception as e:  # noqa: BLE001  reported to its caller
+            self._leave(job, error=e)
+
+    def _forward(self, decoding: list[Job], pieces: list[tuple[Job, int]]) -> None:
+        """One packed forward of the decoding jobs' last tokens and the pieces, then each job's next token."""
+        ids, positions, parts, keep, choosers = [], [], [], [], []
+        row = 0
+        for j in decoding:
+            pos = j.at + len(j.ids) + len(j.new) - 1
+            ids.append(j.new[-1])
+            positions.append(pos)
+            parts.append(_part(j, row, 1, pos))
+            keep.append(row)
+            choosers.append(j)
+            row += 1
+        for j, n in pieces:
+            first = len(j.ids) - j.pending
+            ids.extend(j.ids[first : first + n])
+            positions.extend(range(j.at + first, j.at + first + n))
+            parts.append(_part(j, row, n, j.at + first))
+            row += n
+            if n == j.pending and j.decoding is not None:
+                keep.append(row - 1)
+                choosers.append(j)
+        device = self.model.device
+        plan = packed.Plan(parts, self.windows)
+        logits = packed.forward(self.model, torch.tensor(ids, device=device), torch.tensor(positions, device=device), plan,
+                                torch.tensor(keep or [row - 1], device=device))  # fmt: skip
+        for j, n in pieces:
+            j.pending -= n
+            if j.pending == 0:
+                self._prefilled(j)
+                if j.decoding is None:
+                    self._leave(j)
+        self._choose(choosers, logits)
+
+    def _choose(self, jobs: list[Job], logits: torch.Tensor) -> None:
+        """Each job's next token from its row of ``logits``; jobs that end leave."""
+        greedy = [i for i, j in enumerate(jobs) if j.decoding is not None and j.decoding.plain_greedy]
+        picked: dict[int, int] = {}
+        if greedy:
+            picked = dict(zip(greedy, logits[greedy].argmax(-1).tolist()))
+        now = time.perf_counter()
+        for i, j in enumerate(jobs):
+            d = j.decoding
+            assert d is not None
+            try:
+                if j.state is State.PREFILLING:
+                    j.state = State.DECODING
+                    j.history = _history(j, d.max_new_tokens)
+                    if j.streamer is not None:
+                        j.streamer.put(j.history[:, : len(j.prompt)].cpu())  # (1, n) as generate puts the prompt
+                n = len(j.prompt) + len(j.new)
+                tok = picked[i] if i in picked else d.choose(j.history[:, :n], logits[i])  # type: ignore[index]
+                j.new.append(tok)
+                j.history[0, n] = tok  # type: ignore[index]
+                if j.ttft_s is None:
+                    j.ttft_s = now - j.start
+                if j.streamer is not None:
+                    j.streamer.put(torch.tensor([tok]))
+                room = j.kv.num_tokens - (j.at + len(j.ids) + len(j.new))
+                if tok in d.eos or (d.criteria and d.stopped(j.history[:, : n + 1])):  # type: ignore[index]
+                    self._leave(j, "stop")
+                elif len(j.new) >= d.max_new_tokens or room < 0:
+                    self._leave(j, "length")
+                elif j.cancelled:
+                    self._leave(j, "cancelled")
+            except Exception as e:  # noqa: BLE001  a processor or criterion of this request failed: it alone
+                self._leave(j, error=e)
+
+
+def _part(job: Job, row: int, tokens: int, position: int) -> packed.Part:
+    kv = job.kv
+    return packed.Part(row, row + tokens, kv.own, position - kv.offset, kv.offset, kv.prefix)
+
+
+def _history(job: Job, max_new: int) -> torch.Tensor:
+    """(1, prompt + max_new) token ids, the prompt filled: what processors and stop checks read."""
+    out = torch.zeros(1, len(job.prompt) + max_new + 1, dtype=torch.long)
+    out[0, : len(job.prompt)] = torch.as_tensor(list(job.prompt), dtype=torch.long)
+    return out
