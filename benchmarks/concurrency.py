@@ -1,204 +1,263 @@
-"""Concurrent warm requests on one engine: requests per minute with 1, 4 and 8 threads, nothing lost or mixed up.
+"""Many users at once on one engine: requests a minute, output tokens a second and first-token times against users,
+the answers checked against each request alone, beside what plain transformers' batching allows here (the ceiling).
 
-    python -m benchmarks.concurrency [--quick] [--store disk|memory|redis] [--concurrency 1 4 8]
-                                     [--contexts N] [--context-tokens T] [--requests R] [--data F] [--out F]
+    python -m benchmarks.concurrency [--quick] [--users 1 2 4 8 16] [--new-tokens 16 64] [--modes threads asyncio]
+        [--workloads shared own own-short mixed] [--store memory|disk|redis] [--requests-per-user N] [--no-ceiling]
+        [--plot F.png] [--data F] [--model M] [--device D] [--out F]
 
-The contexts (LongChat transcripts cut to T tokens, each followed by a question) are
-stored first (one cold request each); then, for each concurrency c, R warm requests are
-answered by c threads calling ``engine.generate`` on one engine. One JSON line per c:
-``requests_per_min``, ``speedup`` (against c = 1 in the same run), first-token and total
-latency, ``fetch_decode_s`` (summed over requests), ``model_s`` (time the model lock was
-held: the model computes one call at a time), ``lock_wait_s`` (time threads waited for
-it), ``overlap`` = (fetch_decode_s + model_s) / wall: above 1 when one request's fetch and
-decode ran while another's model call computed; and ``mismatches``: answers that differ
-from the sequential run's for the same prompt (must be 0), ``errors``, ``load_avg``. A first line
-gives the run's settings (model, store, contexts, level, threads).
+Workloads (LongChat transcripts cut to a number of tokens, each prompt followed by a question of its user):
+
+- ``shared``: every user asks about one stored 4,608-token context (a RAG service's documents after its prompt);
+- ``own``: each user on a stored 4,608-token context of its own; ``own-short``: of 1,536 tokens;
+- ``mixed``: as ``own-short``, but a quarter of the requests are on contexts never stored (cold).
+
+For each workload and number of new tokens the contexts are stored first (one cold request each, written before
+the run), then every prompt is answered alone, one after another (the sequential run: the reference answers, greedy).
+The engine stores one form, the codec's default level, and never recomputes a stored chunk as text: every run reads
+the same KV (which form the controller takes follows timings), so an answer differs only by batching.
+Then, for each mode (U threads calling ``KVEngine.generate``; U asyncio tasks awaiting ``CacheGenLLM.agenerate``) and
+number of users U, each user sends ``--requests-per-user`` requests one after another (a cold one in ``mixed`` is
+on a context that was never stored). One row per (workload, new tokens, mode, users): ``requests_per_min``,
+``tokens_per_s``, ``speedup`` (over 1 user of the same mode), ``ttft_p50_s``/``ttft_p95_s`` (the first token as
+the user waits for it, queueing included) and total latency, ``mismatches`` (answers unlike the sequential run's),
+``near_ties`` (of them, those whose first differing token followed a gap under ``NEAR_TIE`` between the sequential
+run's top two logits), ``errors``, ``lost``, and ``ceiling``: U decode steps of plain transformers on the workload's
+KV at once over one (``benchmarks/ceiling.py``), ``of_ceiling`` = speedup / ceiling.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import queue
+import asyncio
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.common import Rows, fresh_store, parser, setup_threads, transcripts
+import torch
 
-QUESTION = " USER: What was the first topic we discussed? ASSISTANT:"
+from benchmarks.common import Rows, fresh_store, load, parser, setup_threads, transcripts
 
-
-class TimedLock:
-    """A lock that adds up how long it was held and how long acquirers waited (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stats = threading.Lock()
-        self.held_s = self.wait_s = 0.0
-        self._since = 0.0
-
-    def __enter__(self) -> TimedLock:
-        t = time.perf_counter()
-        self._lock.acquire()
-        self._since = time.perf_counter()
-        with self._stats:
-            self.wait_s += self._since - t
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        held = time.perf_counter() - self._since
-        self._lock.release()
-        with self._stats:
-            self.held_s += held
-
-    def acquire(self, *args: Any, **kwargs: Any) -> bool:  # the threading.Lock interface, for code that calls it
-        return self._lock.acquire(*args, **kwargs)
-
-    def release(self) -> None:
-        self._lock.release()
+#: The largest gap between the top two logits (the sequential run's) at a differing token that counts as a near-tie.
+NEAR_TIE = 0.05
+#: Context tokens of each workload, whether its users share one context, and the share of cold requests.
+WORKLOADS = {"shared": (4608, True, 0.0), "own": (4608, False, 0.0), "own-short": (1536, False, 0.0), "mixed": (1536, False, 0.25)}
 
 
-def instrument(engine: Any) -> TimedLock | None:
-    """Replace the engine's model lock by a ``TimedLock`` (None when the engine has no such lock)."""
-    if not hasattr(engine, "_lock"):
-        return None
-    engine._lock = TimedLock()
-    return engine._lock
+@dataclass(frozen=True)
+class Prompts:
+    """A workload's prompts (text): ``warm[u][r]`` the r-th request of user u, ``cold`` the requests never stored."""
+
+    warm: list[list[str]]
+    cold: set[str]
 
 
-def answer_all(engine: Any, prompts: Sequence[Any], order: Sequence[int], threads: int, **gen: Any) -> list[tuple[int, str, Any]]:
-    """Answer ``prompts[i]`` for every i of ``order`` with ``threads`` threads; (i, text, info) in completion order."""
-    work: queue.Queue[int] = queue.Queue()
-    for i in order:
-        work.put(i)
-    out: list[tuple[int, str, Any]] = []
-    failures: list[BaseException] = []
-    lock = threading.Lock()
+def question(u: int, r: int) -> str:
+    return f"\n\nUSER: In one sentence, what did we say about topic number {u + 1}, point {r + 1}? ASSISTANT:"
 
-    def worker() -> None:
-        while True:
+
+def workload_prompts(tok: Any, texts: list[str], name: str, users: int, per_user: int, run: int = 0) -> Prompts:
+    """Each user's prompts of workload ``name`` (see the module doc), contexts decoded from their first tokens; the cold
+    ones start with a mark of ``run`` (a context no earlier run stored)."""
+    tokens, shared, cold_share = WORKLOADS[name]
+    contexts = []
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens:
+            contexts.append(tok.decode(ids[:tokens]))
+    need = 1 if shared else users
+    if not contexts:
+        raise ValueError(f"no transcript has {tokens} tokens")
+    contexts = [contexts[k % len(contexts)] + ("" if k < len(contexts) else f" ({k})") for k in range(max(need, len(contexts)))]
+    prompts, cold, n_cold = [], set(), round(cold_share * users * per_user)
+    for u in range(users):
+        mine = []
+        for r in range(per_user):
+            prompt = (contexts[0] if shared else contexts[u]) + question(u, r)
+            if u * per_user + r < n_cold:  # every fourth request: a context nobody stored
+                prompt = f"Session {run}.{u}.{r}. " + prompt
+                cold.add(prompt)
+            mine.append(prompt)
+        prompts.append(mine)
+    return Prompts(prompts, cold)
+
+
+def near_tie(model: Any, tok: Any, prompt: str, reference: str, answer: str) -> float | None:
+    """The gap between the top two logits of the sequential run where ``answer`` first leaves ``reference``."""
+    ref, got = tok(reference, add_special_tokens=False)["input_ids"], tok(answer, add_special_tokens=False)["input_ids"]
+    at = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    ids = tok(prompt)["input_ids"] + ref[:at]
+    with torch.no_grad():
+        top = model(torch.tensor([ids], device=model.device)).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def run_threads(engine: Any, users: list[list[str]], gen: dict[str, Any]) -> tuple[list[tuple[str, str, Any]], list[BaseException]]:
+    """Each user a thread sending its prompts one after another; (prompt, text, info) per answer, and the failures."""
+    out, failures, lock = [], [], threading.Lock()
+
+    def user(prompts: list[str]) -> None:
+        for p in prompts:
             try:
-                i = work.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                text, info = engine.generate(prompts[i], **gen)
-            except BaseException as e:  # reported by the caller: a lost request is a failure
+                text, info = engine.generate(p, **gen)
+            except BaseException as e:  # noqa: BLE001  counted: a lost request is a failure
                 with lock:
                     failures.append(e)
                 continue
             with lock:
-                out.append((i, text, info))
+                out.append((p, text, info))
 
-    pool = [threading.Thread(target=worker, name=f"request-{n}") for n in range(threads)]
+    pool = [threading.Thread(target=user, args=(mine,)) for mine in users]
     for t in pool:
         t.start()
     for t in pool:
         t.join()
-    if failures:
-        raise RuntimeError(f"{len(failures)} request(s) failed: {failures[0]!r}") from failures[0]
-    return out
+    return out, failures
 
 
-def measure(engine: Any, prompts: Sequence[Any], reference: Sequence[str], threads: int, requests: int, **gen: Any) -> dict[str, Any]:
-    """One concurrency level: ``requests`` warm requests over ``threads`` threads, checked against ``reference``."""
-    timed = instrument(engine)
-    order = [r % len(prompts) for r in range(requests)]
-    t0 = time.perf_counter()
-    done = answer_all(engine, prompts, order, threads, **gen)
-    wall = time.perf_counter() - t0
-    infos = [info for _, _, info in done]
-    fetch_decode = sum(i.fetch_s + i.decode_s for i in infos)
-    model_s = timed.held_s if timed else None
+def run_asyncio(llm: Any, users: list[list[str]], new_tokens: int) -> tuple[list[tuple[str, str, Any]], list[BaseException]]:
+    """Each user an asyncio task awaiting ``llm.agenerate`` for its prompts one after another."""
+    from cachegen_core.engine import GenerationInfo  # noqa: PLC0415
+
+    out, failures = [], []
+
+    async def user(prompts: list[str]) -> None:
+        for p in prompts:
+            try:
+                result = await llm.agenerate([p], max_tokens=new_tokens)
+            except BaseException as e:  # noqa: BLE001
+                failures.append(e)
+                continue
+            g = result.generations[0][0]
+            info = GenerationInfo(**{k: v for k, v in g.generation_info.items() if k in GenerationInfo.__dataclass_fields__})
+            out.append((p, g.text, info))
+
+    async def main() -> None:
+        await asyncio.gather(*(user(mine) for mine in users))
+
+    asyncio.run(main())
+    return out, failures
+
+
+def row(answers: list[tuple[str, str, Any]], failures: list[BaseException], wall: float, sent: int, reference: dict[str, str],
+        model: Any, tok: Any) -> dict[str, Any]:  # fmt: skip
+    """One row's figures from the answers of a run (see the module doc)."""
+    infos = [info for _, _, info in answers]
+    ttft, total = sorted(i.ttft_s for i in infos), sorted(i.total_s for i in infos)
+    wrong = [(p, text) for p, text, _ in answers if p in reference and text != reference[p]]
+    gaps = [near_tie(model, tok, p, reference[p], text) for p, text in wrong]
+
+    def pct(xs: list[float], q: float) -> float:
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else float("nan")
+
     return {
-        "concurrency": threads,
-        "requests": len(done),
-        "lost": requests - len(done),
-        "wall_s": round(wall, 3),
-        "requests_per_min": round(60 * len(done) / wall, 2),
-        "ttft_p50_s": round(statistics.median(i.ttft_s for i in infos), 4),
-        "total_p50_s": round(statistics.median(i.total_s for i in infos), 4),
-        "total_max_s": round(max(i.total_s for i in infos), 4),
-        "fetch_decode_s": round(fetch_decode, 3),
-        "model_s": None if model_s is None else round(model_s, 3),
-        "lock_wait_s": None if timed is None else round(timed.wait_s, 3),
-        "overlap": None if model_s is None else round((fetch_decode + model_s) / wall, 3),
-        "cached_tokens_mean": round(statistics.mean(i.cached_tokens for i in infos), 1),
-        "mismatches": sum(text != reference[i] for i, text, _ in done),
-        "errors": sum(len(i.errors) for i in infos),
-        "load_avg": [round(x, 2) for x in os.getloadavg()],
-    }
+        "requests": len(answers), "lost": sent - len(answers) - len(failures), "failed": len(failures), "wall_s": round(wall, 3),
+        "requests_per_min": round(60 * len(answers) / wall, 2), "tokens_per_s": round(sum(i.new_tokens for i in infos) / wall, 2),
+        "ttft_p50_s": pct(ttft, 0.5), "ttft_p95_s": pct(ttft, 0.95), "total_p50_s": pct(total, 0.5), "total_p95_s": pct(total, 0.95),
+        "mismatches": len(wrong), "near_ties": sum(g is not None and g < NEAR_TIE for g in gaps), "mismatch_gaps": [round(g, 4) for g in gaps if g is not None],
+        "errors": sum(len(i.errors) for i in infos), "shared_tokens_mean": round(statistics.mean(i.shared_tokens for i in infos), 1) if infos else 0,
+        "cached_tokens_mean": round(statistics.mean(i.cached_tokens for i in infos), 1) if infos else 0,
+    }  # fmt: skip
 
 
-def warm_up(engine: Any, prompts: Sequence[Any], **gen: Any) -> list[str]:
-    """Store every prompt's chunks (one cold request each, stored before returning), then the sequential warm answers."""
-    for p in prompts:
-        engine.generate(p, **gen)
-    engine.flush()
-    return [engine.generate(p, **gen)[0] for p in prompts]
+def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, args: Any, out: Rows, ceilings: dict) -> None:
+    """Every row of one workload (see the module doc)."""
+    from benchmarks.ceiling import ceiling  # noqa: PLC0415
+    from langchain_cachegen import CacheGenLLM  # noqa: PLC0415
+
+    tokens, shared, _ = WORKLOADS[name]
+    runs = 0
+    for new in args.new_tokens:
+        gen = {"max_new_tokens": new, "min_new_tokens": new}  # every answer its full length
+        llm = CacheGenLLM(engine=engine, generation_kwargs=gen)
+        every = workload_prompts(tok, texts, name, max(args.users), args.requests_per_user)
+        warm = sorted({p for mine in every.warm for p in mine if p not in every.cold})
+        for p in warm:
+            engine.generate(p, **gen)  # stored before the run
+        engine.flush()
+        reference = {p: engine.generate(p, **gen)[0] for p in warm}  # the sequential run
+        engine.flush()
+        for mode in args.modes:
+            base = None
+            for users in args.users:
+                runs += 1
+                run = workload_prompts(tok, texts, name, users, args.requests_per_user, run=runs)
+                t = time.perf_counter()
+                answers, failures = run_threads(engine, run.warm, gen) if mode == "threads" else run_asyncio(llm, run.warm, new)
+                wall = time.perf_counter() - t
+                engine.flush()  # what the run stored is written before the next one is timed
+                r = {"workload": name, "context_tokens": tokens, "new_tokens": new, "mode": mode, "users": users,
+                     "cold_requests": sum(p in run.cold for mine in run.warm for p in mine)}  # fmt: skip
+                r.update(row(answers, failures, wall, users * args.requests_per_user, reference, model, tok))
+                base = base or r["requests_per_min"]
+                r["speedup"] = round(r["requests_per_min"] / base, 3)
+                if args.ceiling and name != "mixed":
+                    seen = ceilings.setdefault((tokens, shared), {})
+                    if users not in seen:
+                        seen[users] = ceiling(model, users, tokens + 24, shared)[0] if users > 1 else 1.0
+                    r["ceiling"], r["of_ceiling"] = round(seen[users], 3), round(r["speedup"] / seen[users], 3)
+                out.emit(r)
 
 
-def run(engine: Any, prompts: Sequence[Any], levels: Sequence[int], requests: int, out: Rows | None = None, **gen: Any) -> list[dict[str, Any]]:
-    """Warm the store, then one row per concurrency level (``speedup`` against the first level), emitted to ``out``."""
-    out = out or Rows("concurrency")
-    reference = warm_up(engine, prompts, **gen)
-    rows = []
-    for c in levels:
-        row = measure(engine, prompts, reference, c, requests, **gen)
-        row["speedup"] = round(row["requests_per_min"] / rows[0]["requests_per_min"], 3) if rows else 1.0
-        out.emit(row)
-        rows.append(row)
-    return rows
+def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
+    """Requests a minute and TTFT p95 against users, per workload (threads, the most new tokens)."""
+    from benchmarks.plotting import line_panels  # noqa: PLC0415
+
+    rows = [r for r in rows if "workload" in r and r["mode"] == "threads"]
+    new = max(r["new_tokens"] for r in rows)
+    rows = [r for r in rows if r["new_tokens"] == new]
+    thr = {"requests a minute": {w: [(r["users"], r["requests_per_min"]) for r in rows if r["workload"] == w] for w in WORKLOADS}}
+    ttft = {"TTFT p95 (s)": {w: [(r["users"], r["ttft_p95_s"]) for r in rows if r["workload"] == w] for w in WORKLOADS}}
+    stem = path[:-4] if path.endswith(".png") else path
+    line_panels(thr, f"{stem}.png", xlabel="users", ylabel="requests a minute", xlog=True)
+    line_panels(ttft, f"{stem}-ttft.png", xlabel="users", ylabel="seconds", xlog=True)
 
 
 def arguments() -> argparse.ArgumentParser:
-    ap = parser(__doc__, quick_help="2 contexts of 1536 tokens, 8 requests per level")
-    ap.add_argument("--store", default="disk", choices=["disk", "memory", "redis"])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    ap.add_argument("--contexts", type=int, default=4)
-    ap.add_argument("--context-tokens", type=int, default=4608)
-    ap.add_argument("--chunk-tokens", type=int, default=1536)
-    ap.add_argument("--requests", type=int, default=16, help="warm requests per concurrency level")
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--level", type=int, default=None, help="level fetched (default: the codec's)")
+    ap = parser(__doc__, device=True, quick_help="1, 2, 4 users, 8 new tokens, shared and mixed, threads")
+    ap.add_argument("--users", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--new-tokens", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--modes", nargs="+", default=["threads", "asyncio"], choices=["threads", "asyncio"])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--store", default="memory", choices=["memory", "disk", "redis"])
+    ap.add_argument("--requests-per-user", type=int, default=2)
+    ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip plain transformers' steps")
+    ap.add_argument("--context-scale", type=float, default=1.0, help="scale every workload's context tokens (tests)")
+    ap.add_argument("--plot", default=None, metavar="F.png")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    from contextlib import ExitStack  # noqa: PLC0415
-
     args = arguments().parse_args(argv)
     if args.quick:
-        args.contexts, args.context_tokens, args.requests, args.new_tokens = 2, 1536, 8, 8
+        args.users, args.new_tokens, args.modes, args.workloads = [1, 2, 4], [8], ["threads"], ["shared", "mixed"]
+    if args.context_scale != 1.0:
+        for k, (n, s, c) in list(WORKLOADS.items()):
+            WORKLOADS[k] = (max(16, int(n * args.context_scale)), s, c)
 
     from cachegen_core.engine import KVEngine  # noqa: PLC0415
 
-    cores = setup_threads()
+    setup_threads()
     texts = transcripts(args.data)
+    model, tok = load(args.model, device=args.device)
     with ExitStack() as stack:
         out = stack.enter_context(Rows("concurrency", args.out, argv))
         store = stack.enter_context(fresh_store(args.store))
-        t = time.perf_counter()
-        engine = KVEngine.from_pretrained(args.model, store=store, chunk_tokens=args.chunk_tokens, level=args.level,
-                                          background=False, progress=False)  # fmt: skip
-        print(f"# loaded {args.model} in {time.perf_counter() - t:.1f} s; {cores} torch threads", file=sys.stderr)
-        question = list(engine.tokenizer(QUESTION, add_special_tokens=False)["input_ids"])
-        prompts = []
-        for text in texts:
-            ids = engine.tokenize(text)
-            if len(ids) >= args.context_tokens:
-                prompts.append(ids[: args.context_tokens] + question)
-            if len(prompts) == args.contexts:
-                break
-        out.emit({"model": args.model, "store": args.store, "contexts": len(prompts), "context_tokens": args.context_tokens,
-                  "chunk_tokens": args.chunk_tokens, "level": engine.level, "new_tokens": args.new_tokens,
-                  "torch_threads": cores, "cpu_count": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()]})  # fmt: skip
-        run(engine, prompts, args.concurrency, args.requests, out, max_new_tokens=args.new_tokens,
-            min_new_tokens=args.new_tokens)  # fmt: skip
+        # one stored form, never text: every run reads the same KV, so an answer differs from the sequential run's only
+        # by batching (which form the controller takes follows timings, and their KV differ)
+        engine = KVEngine.from_pretrained(model, tokenizer=tok, store=store, background=True, progress=False, allow_text=False)
+        engine.store_options = engine.writer.options = [engine.level]
+        out.emit({"model": args.model, "device": args.device, "store": args.store, "level": engine.level, "torch_threads": torch.get_num_threads(),
+                  "kv_memory": engine.memory.limit, "requests_per_user": args.requests_per_user})  # fmt: skip
+        ceilings: dict = {}
+        for name in args.workloads:
+            workload(engine, model, tok, texts, name, args, out, ceilings)
+        if args.plot:
+            plot(out.rows, args.plot)
     return 0
 
 
