@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,10 @@ def clean_env(monkeypatch, tmp_path):
     for name in ("CACHEGEN_STORE", "CACHEGEN_NAMESPACE", "CACHEGEN_HMAC_KEY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path / "cache"))  # the default `disk` store: not there yet
+    core = logging.getLogger("cachegen_core")
+    level = core.level
+    yield
+    core.setLevel(level)  # main() sets it: put back for the tests after these (their caplog would see INFO records)
 
 
 def fill(store, tiny_llama, tiny_tokenizer, seed: int = 1, chunks: int = 3) -> KVEngine:
