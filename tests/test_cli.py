@@ -81,6 +81,24 @@ def test_a_read_never_creates_a_store(tmp_path, capsys):
     assert list(typo.iterdir()) == []
 
 
+def test_a_store_word_typo_is_named_and_a_store_s_name_opens_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert failure(capsys, "stats", "dsik").startswith("error: unknown store 'dsik': did you mean 'disk'? ")
+    assert failure(capsys, "ls", "memroy").startswith("error: unknown store 'memroy': did you mean 'memory'? ")
+    query = failure(capsys, "ls", "./kv?size_limit=5G")
+    assert "a plain path takes no options ('./kv?size_limit=5G'): write disk://./kv?size_limit=5G" in query
+    monkeypatch.setenv("CACHEGEN_STORE", "dsik")  # the command's default store: the variable is named
+    assert failure(capsys, "stats").startswith("error: CACHEGEN_STORE='dsik': unknown store 'dsik': did you mean 'disk'? ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with DiskCacheStore(tmp_path / "kv") as s:
+        s.put("k", b"v")
+    code, out, _ = run(capsys, "stats", "kv", "--no-headers")  # a bare word naming a store, given or from the variable
+    assert code == 0 and json.loads(out)["entries"] == 1
+    monkeypatch.setenv("CACHEGEN_STORE", "kv")
+    code, out, _ = run(capsys, "stats", "--no-headers")
+    assert code == 0 and json.loads(out)["entries"] == 1
+
+
 def test_a_damaged_store_is_reported_not_moved(tmp_path, capsys):
     d = tmp_path / "kv"
     with DiskCacheStore(d) as store:
