@@ -10,7 +10,7 @@ stays cheap):
 - chunks and manifests: :class:`Chunk`, :func:`chunk_keys`, :func:`blob_key`, :class:`Manifest`;
 - models: :func:`load_model`; paths: :func:`cache_dir`;
 - errors: :class:`CacheGenError`, :class:`CacheGenFormatError`, :class:`StoreError`, :class:`BlobMissing`,
-  :class:`BackendUnavailable`.
+  :class:`StoreURLError`, :class:`BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ _EXPORTS = {
     "CacheGenFormatError": "errors",
     "StoreError": "errors",
     "BlobMissing": "errors",
+    "StoreURLError": "errors",
     "BackendUnavailable": "errors",
 }
 
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from .codec.kvcodec import KVCodec
     from .codec.config import CodecConfig
     from .engine import ChunkReader, ChunkWriter, CostModel, GenerationInfo, KVEngine
-    from .errors import BackendUnavailable, BlobMissing, CacheGenError, CacheGenFormatError, StoreError
+    from .errors import BackendUnavailable, BlobMissing, CacheGenError, CacheGenFormatError, StoreError, StoreURLError
     from .kv import KVCache
     from .keys.manifest import Manifest
     from .models import load_model

@@ -12,7 +12,8 @@
 
 STORE is a store URL (``disk``, a directory, ``memory``, ``redis://``, ``rediss://``, ``redis-cluster://``;
 default ``$CACHEGEN_STORE``, else ``disk``), see ``cachegen_core.stores.url``. A command opens an existing
-store only: a directory that holds none is an error, never created (nor a damaged one moved aside).
+store only: a directory that holds none is an error, never created (nor a damaged one moved aside), and a bare
+word naming no store (``dsik``) is an unknown store, with the closest store word suggested.
 
 Adding a subcommand: write ``_register_<name>(sub)`` that adds its parser with
 ``set_defaults(func=handler)`` (``handler(args) -> exit code``) and append it to
@@ -238,8 +239,10 @@ def _open_store(args: argparse.Namespace, url: str | None = None) -> Any:
     from .stores.url import open_store  # noqa: PLC0415
 
     settings = load()
-    return open_store(url or args.store or settings.store, namespace=args.namespace or settings.namespace,
-                      cache_dir=settings.cache_dir, create=False)  # fmt: skip
+    namespace = args.namespace or settings.namespace
+    if url or args.store:
+        return open_store(url or args.store, namespace=namespace, cache_dir=settings.cache_dir, create=False)
+    return settings.open_store(namespace=namespace, create=False)  # an error names $CACHEGEN_STORE
 
 
 def _stats(args: argparse.Namespace) -> int:

@@ -19,6 +19,11 @@ class StoreError(CacheGenError):
     """A KV store could not complete an operation (server down, disk full, read-only...)."""
 
 
+class StoreURLError(CacheGenError, ValueError):
+    """A store URL (``CACHEGEN_STORE``, a ``cachegen`` command's STORE) names no store: an unknown scheme, word or option,
+    a bad option value, options on a plain path. Raised when the store is opened, before anything is created."""
+
+
 class BackendUnavailable(CacheGenError, RuntimeError):
     """A coder or decoder backend asked for cannot run here (no GPU, no Triton, library not built...).
 

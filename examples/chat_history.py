@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--chunk-tokens", type=int, default=256, help="small chunks so a short chat history spans several")
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--store", default="memory", help="memory (default here) or disk")
+    ap.add_argument("--store", default="memory", choices=("memory", "disk"), help="memory (default here) or disk")
     args = ap.parse_args(argv)
 
     from cachegen_core.stores import DiskCacheStore, MemoryStore

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--doc-tokens", type=int, default=1024, help="tokens of the transcript in the system message")
     ap.add_argument("--chunk-tokens", type=int, default=128, help="small chunks so that each turn soon fills one")
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--store", default="memory", help="memory (default here) or disk")
+    ap.add_argument("--store", default="memory", choices=("memory", "disk"), help="memory (default here) or disk")
     args = ap.parse_args(argv)
 
     from cachegen_core.stores import DiskCacheStore, MemoryStore

@@ -57,15 +57,10 @@ def load_documents(tokenizer, n_docs: int, doc_tokens: int, path: Path = DATA) -
 
 
 def make_store(spec: str):
-    from cachegen_core.stores import DiskCacheStore, MemoryStore
+    """The store ``spec`` names, as ``CACHEGEN_STORE`` takes it: a typo (``dsik``) is an error, not a new store."""
+    from cachegen_core.stores import open_store  # redis:// needs the redis extra
 
-    if spec == "memory":
-        return MemoryStore()
-    if spec.startswith(("redis://", "rediss://")):
-        from cachegen_core.stores import RedisStore  # needs the redis extra
-
-        return RedisStore(spec)
-    return DiskCacheStore() if spec == "disk" else DiskCacheStore(spec)
+    return open_store(spec)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--docs", type=int, default=4)
     ap.add_argument("--doc-tokens", type=int, default=3072)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
-    ap.add_argument("--store", default="disk", help="disk (default, user cache), memory, a directory, or redis://host:port")
+    ap.add_argument("--store", default="disk", help="disk (default, user cache), memory, a directory (./kv), or redis://host:port")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     args = ap.parse_args(argv)
 

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--data", type=Path, default=DATA, help="LongChat-style JSON-lines transcripts (default: the shipped demo excerpt)")
     ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--k", type=int, default=3, help="passages per question")
-    ap.add_argument("--store", default="memory", help="memory (default), disk (user cache), a directory, or redis://host:port")
+    ap.add_argument("--store", default="memory", help="memory (default), disk (user cache), a directory (./kv), or redis://host:port")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--no-index", action="store_true", help="do not cache the passages when indexing them")

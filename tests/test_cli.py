@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,10 @@ def clean_env(monkeypatch, tmp_path):
     for name in ("CACHEGEN_STORE", "CACHEGEN_NAMESPACE", "CACHEGEN_HMAC_KEY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path / "cache"))  # the default `disk` store: not there yet
+    core = logging.getLogger("cachegen_core")
+    level = core.level
+    yield
+    core.setLevel(level)  # main() sets it: put back for the tests after these (their caplog would see INFO records)
 
 
 def fill(store, tiny_llama, tiny_tokenizer, seed: int = 1, chunks: int = 3) -> KVEngine:
@@ -74,6 +79,24 @@ def test_a_read_never_creates_a_store(tmp_path, capsys):
     typo.mkdir()
     assert f"no disk store in {str(typo)!r}: it holds no cache.db" in failure(capsys, "stats", str(typo))
     assert list(typo.iterdir()) == []
+
+
+def test_a_store_word_typo_is_named_and_a_store_s_name_opens_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert failure(capsys, "stats", "dsik").startswith("error: unknown store 'dsik': did you mean 'disk'? ")
+    assert failure(capsys, "ls", "memroy").startswith("error: unknown store 'memroy': did you mean 'memory'? ")
+    query = failure(capsys, "ls", "./kv?size_limit=5G")
+    assert "a plain path takes no options ('./kv?size_limit=5G'): write disk://./kv?size_limit=5G" in query
+    monkeypatch.setenv("CACHEGEN_STORE", "dsik")  # the command's default store: the variable is named
+    assert failure(capsys, "stats").startswith("error: CACHEGEN_STORE='dsik': unknown store 'dsik': did you mean 'disk'? ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    with DiskCacheStore(tmp_path / "kv") as s:
+        s.put("k", b"v")
+    code, out, _ = run(capsys, "stats", "kv", "--no-headers")  # a bare word naming a store, given or from the variable
+    assert code == 0 and json.loads(out)["entries"] == 1
+    monkeypatch.setenv("CACHEGEN_STORE", "kv")
+    code, out, _ = run(capsys, "stats", "--no-headers")
+    assert code == 0 and json.loads(out)["entries"] == 1
 
 
 def test_a_damaged_store_is_reported_not_moved(tmp_path, capsys):

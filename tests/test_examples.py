@@ -47,6 +47,17 @@ def test_rag_chain_says_when_its_first_run_was_not_cold(tiny_model_dir, tmp_path
     assert "note: the first run was not cold" in capsys.readouterr().out
 
 
+def test_a_typo_in_an_example_s_store_is_an_error_not_a_new_store(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="did you mean 'disk'"):
+        rag_chain.make_store("dsik")
+    for example in (chat_history, langgraph_chat):  # refused before the model loads
+        with pytest.raises(SystemExit):
+            example.main(["--store", "dsik"])
+        assert "invalid choice: 'dsik'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("index", [True, False])
 def test_rag_documents_reuses_passages_retrieved_in_other_orders(tiny_model_dir, tmp_path, monkeypatch, index):
     from cachegen_core.testing import words  # noqa: PLC0415

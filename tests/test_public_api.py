@@ -31,8 +31,8 @@ def test_importing_the_package_does_not_import_torch():
 PUBLIC = {
     "cachegen_core": ["BackendUnavailable", "BlobMissing", "CacheGenError", "CacheGenFormatError", "Chunk", "ChunkReader",
                       "ChunkWriter", "CodecConfig", "CostModel", "DiskCacheStore", "GenerationInfo", "KVCache", "KVCodec",
-                      "KVEngine", "KVStore", "Manifest", "MemoryStore", "Profile", "RedisStore", "StoreError", "blob_key",
-                      "cache_dir", "chunk_keys", "load_model"],
+                      "KVEngine", "KVStore", "Manifest", "MemoryStore", "Profile", "RedisStore", "StoreError", "StoreURLError",
+                      "blob_key", "cache_dir", "chunk_keys", "load_model"],
     "cachegen_core.stores": ["DEFAULT_NAMESPACE", "BaseKVStore", "DiskCacheStore", "KVStore", "MemoryStore", "RedisStore",
                              "SignedStore", "default_directory", "open_store"],
     "cachegen_core.engine": ["ChunkReader", "ChunkWriter", "CostModel", "GenerationInfo", "KVEngine", "StoreHealth"],

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
 from cachegen_core.engine import KVEngine
+from cachegen_core.errors import StoreURLError
 from cachegen_core.codec.limits import BoundedKVCodec, DecodeLimits
 from cachegen_core.ops.settings import CacheGenSettings, engine_options, resolve_store
 from cachegen_core.stores import DiskCacheStore, MemoryStore
 from cachegen_core.stores.signed import SignedStore
-from cachegen_core.stores.url import describe, open_store
+from cachegen_core.stores.url import FORMS, describe, open_store
 from cachegen_core.testing import words
 
 KEY = "0123456789abcdef0123456789abcdef"
@@ -144,6 +148,124 @@ def test_store_urls_carry_the_budget(tmp_path, redis_server):
     for bad in ("disk?size_limit=lots", "memory?colour=blue", "disk?raw_share=2"):
         with pytest.raises(ValueError):
             open_store(bad, cache_dir=tmp_path / "c")
+
+
+@pytest.mark.parametrize("create", [True, False])
+def test_a_typo_of_a_store_word_is_an_error_never_a_new_store(tmp_path, monkeypatch, create):
+    monkeypatch.chdir(tmp_path)
+    typos = {"dsik": "disk", "dis": "disk", "disc": "disk", "Disk": "disk", "dsik?size_limit=5G": "disk", "memroy": "memory",
+             "mem": "memory", "memorry": "memory", "MEMORY?max_bytes=1G": "memory", "redis": "redis://", "rdis": "redis://",
+             "rediss": "rediss://", "unix": "unix://", "redis-clustr": "redis-cluster://", "rediss_cluster": "rediss-cluster://",
+             "redsi://h:6379/0": "redis://", "rediss-clustr://h:6380": "rediss-cluster://", "disc:///var/kv": "disk://",
+             "memory://": "memory", "mmory://x": "memory"}  # fmt: skip
+    for typo, meant in typos.items():
+        with pytest.raises(StoreURLError, match=rf"did you mean '{meant}'\? .*A store is ") as e:
+            open_store(typo, cache_dir=tmp_path / "cache", create=create)
+        assert isinstance(e.value, ValueError) and FORMS in str(e.value), typo
+    with pytest.raises(StoreURLError, match=r"^unknown store 'kvcache': '.*kvcache' holds no store \(no such directory\); "
+                                            r"write ./kvcache to make one there\. A store is "):  # fmt: skip
+        open_store("kvcache", create=create)
+    with pytest.raises(StoreURLError, match=r"^unknown store URL scheme in 's3://bucket'\. A store is "):
+        open_store("s3://bucket", create=create)
+    assert list(tmp_path.iterdir()) == []  # nothing made, not even the default store's cache
+
+
+def test_a_bare_word_naming_a_directory_that_holds_no_store_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "notes").write_text("x")
+    with pytest.raises(StoreURLError, match=rf"^unknown store 'data': {str(tmp_path / 'data')!r} holds no store \(a directory "
+                                            r"without cache\.db\); write \./data to make one there"):  # fmt: skip
+        open_store("data")
+    with pytest.raises(StoreURLError, match=r"holds no store \(a file\)"):
+        open_store("notes")
+    assert list((tmp_path / "data").iterdir()) == []
+    assert isinstance(open_store("./data"), DiskCacheStore) and (tmp_path / "data" / "cache.db").is_file()  # said so: made
+
+
+def test_a_bare_word_naming_an_existing_store_still_opens_it(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    with DiskCacheStore(tmp_path / "kv") as s:
+        s.put("k", b"v")
+    with caplog.at_level(logging.INFO, logger="cachegen_core.stores.disk"):
+        for create in (True, False):
+            with open_store("kv", namespace="cachegen:", create=create) as store:
+                assert isinstance(store, DiskCacheStore) and store.directory == Path("kv") and store.get("k") == b"v"
+    assert not caplog.records  # nothing created
+    with DiskCacheStore(tmp_path / "old") as s:  # a damaged store is a store: moved aside and started afresh, as any
+        s.put("k", b"v")
+    (tmp_path / "old" / "cache.db").write_bytes(b"not a database" * 100)
+    with open_store("old") as store:
+        assert store.get("k") is None and len(list((tmp_path / "old").glob("damaged-*"))) == 1
+
+
+def test_a_plain_path_takes_no_options(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreURLError, match=r"^a plain path takes no options \('./kv\?size_limit=5G'\): write disk://./kv\?size_limit=5G$"):
+        open_store("./kv?size_limit=5G")
+    with pytest.raises(StoreURLError, match=rf"write disk://{tmp_path}/kv\?size_limit=5G$"):
+        open_store(f"{tmp_path}/kv?size_limit=5G")
+    DiskCacheStore(tmp_path / "old").close()
+    with pytest.raises(StoreURLError, match=r"write disk://old\?size_limit=5G$"):  # a store's name too
+        open_store("old?size_limit=5G")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"] and DiskCacheStore(tmp_path / "old").size_limit == 10 << 30
+    assert open_store("disk://./kv?size_limit=5G").size_limit == 5 << 30  # what the message says works
+    assert open_store("disk://old?size_limit=5G").directory == Path("old")
+
+
+def test_an_unknown_option_is_an_error_with_the_closest_one(tmp_path):
+    cases = {"disk?size_limt=5G": "size_limit", f"disk://{tmp_path}/d?raw_shar=0.1": "raw_share", "memory?max_byte=1G": "max_bytes",
+             "redis://127.0.0.1:1/0?ttl=600": "ttl_s", "rediss://127.0.0.1:1/0?ssl_ca_cert=/ca.pem": "ssl_ca_certs",
+             "redis://127.0.0.1:1/0?socket_timout=1": "socket_timeout", "redis-cluster://127.0.0.1:1?raw_ttl=60": "raw_ttl_s"}  # fmt: skip
+    for url, meant in cases.items():
+        with pytest.raises(StoreURLError, match=rf"^unknown option '\w+' for a \w+ store: did you mean '{meant}'\? \(known: "):
+            open_store(url, cache_dir=tmp_path / "c")
+    with pytest.raises(StoreURLError, match=r"^unknown option 'colour' for a redis store \(known: ttl_s, raw_ttl_s, same_host and "
+                                            r"redis-py's connection options\)$"):  # fmt: skip
+        open_store("unix:///tmp/redis.sock?colour=blue")  # redis-py would pass it to the connection: a TypeError on each use
+    assert list(tmp_path.iterdir()) == []
+    r = open_store("redis://127.0.0.1:1/0?socket_timeout=1.5&health_check_interval=5&client_name=app")  # redis-py's: kept
+    kwargs = r.client.connection_pool.connection_kwargs
+    assert (kwargs["socket_timeout"], kwargs["health_check_interval"], kwargs["client_name"]) == (1.5, 5, "app")
+
+
+def test_a_store_meant_by_its_path_is_created_and_logged_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    made = {"./a": "a", "b/c": "b/c", f"{tmp_path}/d": "d", "~/e": "home/e", "disk://f": "f", f"disk://{tmp_path}/g?size_limit=1M": "g",
+            "disk://~/h": "home/h", "disk": "cache/kv"}  # fmt: skip
+    for spec, where in made.items():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="cachegen_core.stores.disk"):
+            open_store(spec, cache_dir=tmp_path / "cache").close()
+            again = open_store(spec, cache_dir=tmp_path / "cache")
+        assert [r.getMessage() for r in caplog.records] == [f"created a disk store in {tmp_path / where}"], spec
+        assert again.directory.expanduser().absolute() == tmp_path / where and (tmp_path / where / "cache.db").is_file()
+
+
+def test_a_bad_store_url_in_the_environment_names_the_variable(tmp_path, monkeypatch, tiny_llama, tiny_tokenizer):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CACHEGEN_STORE", "dsik")
+    with pytest.raises(StoreURLError, match=r"^CACHEGEN_STORE='dsik': unknown store 'dsik': did you mean 'disk'\? "):
+        KVEngine(tiny_llama, tiny_tokenizer, background=False)
+    monkeypatch.setenv("CACHEGEN_STORE", "disk?size_limt=5G")
+    with pytest.raises(StoreURLError, match=r"^CACHEGEN_STORE='disk\?size_limt=5G': unknown option 'size_limt' .*'size_limit'"):
+        resolve_store(None)
+    monkeypatch.setenv("CACHEGEN_STORE", "./kv?size_limit=5G")
+    with pytest.raises(StoreURLError, match=r"^CACHEGEN_STORE='\./kv\?size_limit=5G': a plain path takes no options"):
+        resolve_store(None)
+    monkeypatch.setenv("CACHEGEN_STORE", "disk?size_limit=0")  # refused by the store itself: still named
+    with pytest.raises(ValueError, match=r"^CACHEGEN_STORE='disk\?size_limit=0': size_limit must be > 0$"):
+        resolve_store(None)
+    monkeypatch.setenv("CACHEGEN_STORE", "redis://app:s3cret@127.0.0.1:1/0?ttl=60")
+    with pytest.raises(StoreURLError, match=r"^CACHEGEN_STORE='redis://app:\*\*\*@127.0.0.1:1/0\?ttl=60': unknown option 'ttl'") as e:
+        resolve_store(None)
+    assert "s3cret" not in str(e.value)
+    with pytest.raises(StoreURLError, match=r"^unknown store 'dsik'"):  # given in code: no variable to name
+        CacheGenSettings(store="dsik").open_store()
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("CACHEGEN_STORE", "./kv")
+    assert resolve_store(None).directory == Path("kv") and (tmp_path / "kv" / "cache.db").is_file()
 
 
 def test_describe_hides_passwords():

@@ -10,6 +10,7 @@ wrapped in a :class:`~cachegen_core.stores.signed.SignedStore` when a key is set
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +18,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ..codec.limits import DecodeLimits
+from ..errors import StoreURLError
 from ..stores.base import DEFAULT_NAMESPACE, KVStore
 
 #: Engine keyword arguments a setting can supply, and the setting that does.
@@ -41,7 +43,8 @@ class CacheGenSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CACHEGEN_", frozen=True, extra="ignore")
 
-    store: str = Field("disk", description="disk, memory, a directory, disk:///path, redis:// or rediss:// URL")
+    store: str = Field("disk", description="disk, memory, a directory (./kv, /var/kv: created if missing), a store's directory "
+                       "by its name, disk:///path, redis://, rediss:// or redis-cluster:// URL (stores/url.py)")
     namespace: str = Field(DEFAULT_NAMESPACE, description="prefix of every key in the store")
     cache_dir: Path | None = Field(None, description="the package cache (models, profiles, the disk store's kv/)")
     chunk_tokens: int | None = Field(None, ge=1, description="tokens per stored chunk (engine default 1536)")
@@ -96,10 +99,25 @@ class CacheGenSettings(BaseSettings):
         return None if self.hmac_key is None else self.hmac_key.get_secret_value().encode("utf-8")
 
     def open_store(self, **options: Any) -> KVStore:
-        """The store ``store`` names (not signed: see :func:`resolve_store`)."""
-        from ..stores.url import open_store  # noqa: PLC0415
+        """The store ``store`` names (not signed: see :func:`resolve_store`); ``options`` go to
+        :func:`~cachegen_core.stores.url.open_store` (``namespace``, ``create``, a constructor's options).
 
-        return open_store(self.store, namespace=self.namespace, cache_dir=self.cache_dir, **options)
+        A store URL that names no store raises ``StoreURLError``, naming ``CACHEGEN_STORE`` when it came from there.
+        """
+        from ..stores.url import describe, open_store  # noqa: PLC0415
+
+        try:
+            return open_store(self.store, **{"namespace": self.namespace, "cache_dir": self.cache_dir, **options})
+        except ValueError as e:  # StoreURLError, or a value a store's constructor refuses (disk?size_limit=0)
+            if (variable := self._variable("store")) is None:
+                raise
+            raise StoreURLError(f"{variable}={describe(self.store)!r}: {e}") from e
+
+    def _variable(self, name: str) -> str | None:
+        """The environment variable that set field ``name``, or None when it was given in code or left unset."""
+        wanted = f"{self.model_config.get('env_prefix', '')}{name}".upper()
+        value = getattr(self, name)
+        return next((k for k, v in os.environ.items() if k.upper() == wanted and v == value), None)
 
 
 def load(**overrides: Any) -> CacheGenSettings:

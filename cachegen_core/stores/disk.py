@@ -111,6 +111,7 @@ class DiskCacheStore(BaseKVStore):
     A damaged store (its database overwritten, truncated, unreadable) is moved aside and a new one
     started (``disk_recovery.py``). ``create=False``: open an existing store only, as a read command
     does: ``StoreError`` when the directory holds none or a damaged one (nothing created, nothing moved).
+    A store created (its directory or its database made) is logged once, at INFO, with its absolute path.
     """
 
     local = True
@@ -140,7 +141,8 @@ class DiskCacheStore(BaseKVStore):
             raise ValueError("eviction_policy is diskcache's, used without tiers: give raw_share=None with it")
         self._touched: dict[str, float] = {}  # full key -> time of its last read not yet in the database
         self._touch_lock = threading.Lock()
-        if not create and not os.path.lexists(self.directory / DB_NAME):
+        new = not os.path.lexists(self.directory / DB_NAME)
+        if new and not create:
             what = f"it holds no {DB_NAME}" if self.directory.is_dir() else "no such directory"
             raise StoreError(f"no disk store in {str(self.directory)!r}: {what}")
         with self._errors("open"):
@@ -155,6 +157,8 @@ class DiskCacheStore(BaseKVStore):
                 raise StoreError(f"the disk store in {str(self.directory)!r} is damaged ({why}); an application opening it "
                                  "moves it aside and starts an empty one") from exc  # fmt: skip
         self._cache.disk.max_value_bytes = max_value_bytes
+        if new:  # once: the next opening finds its database (a typo of a path shows here, by where it went)
+            log.info("created a disk store in %s", self.directory.absolute())
 
     @contextmanager
     def _errors(self, op: str) -> Iterator[None]:
