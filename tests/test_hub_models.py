@@ -203,6 +203,16 @@ def test_the_cli_downloads_a_hub_model_ahead(hub: StandInHub, online: Path, caps
     assert err.startswith("error: ") and "has no revision 'v9'" in err and err.count("\n") == 1  # one line, no traceback
 
 
+def test_an_engine_reports_the_hub_id_it_was_loaded_by(online: Path) -> None:
+    from langchain_cachegen import CacheGenLLM, ChatCacheGen
+
+    engine = KVEngine.from_pretrained(REPO, store=MemoryStore(), profile=None, background=False)
+    assert Path(engine.model.name_or_path).name != "tiny-llama"  # its files: a snapshot directory
+    llm = CacheGenLLM(engine=engine)
+    chat = ChatCacheGen(llm=llm)
+    assert llm.model_id == chat.model_id == REPO and llm._get_ls_params()["ls_model_name"] == REPO
+
+
 def test_a_process_configured_by_its_environment_alone(hub: StandInHub, tmp_path: Path) -> None:
     """What a user's process does: HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE set before huggingface_hub is imported."""
     code = textwrap.dedent(f"""

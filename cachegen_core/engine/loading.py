@@ -2,7 +2,8 @@
 
 Loads the model when given a name (``models.load_model``: a hub id is downloaded into the Hugging Face cache
 on first use) and gives it the engine's attention, fills the arguments not given from the ``CACHEGEN_*`` settings, finds the
-model's codec profile, and calls the engine class with the codec they make.
+model's codec profile, and calls the engine class with the codec they make. An engine loaded by name keeps it as
+``model_name`` (what the LangChain classes report: a hub model's files live in a snapshot directory).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def from_pretrained(
     elif isinstance(profile, (str, Path)):
         profile = Profile.load(profile)
     engine = cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
+    if isinstance(path_or_model, (str, Path)):  # the name traces report (langchain_cachegen's model_id), not a snapshot dir
+        engine.model_name = str(path_or_model)  # type: ignore[attr-defined]
     if auto and profile is None and (load_settings().auto_profile if auto_profile is None else auto_profile):
         measure_weights(engine, name=name)
         engine.profile_fitter = start_fitting(engine, name=name)  # type: ignore[attr-defined]
