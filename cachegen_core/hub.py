@@ -112,12 +112,12 @@ def cached(repo_id: str, options: HubOptions) -> Path | None:
 def fetch(repo_id: str, options: HubOptions) -> Path:
     """The local path of a hub model, downloaded into the Hugging Face cache where it is not there yet: its snapshot
     directory (config, tokenizer files, weights), or with ``gguf_file`` that file (a link in the snapshot)."""
-    from huggingface_hub import hf_hub_download, snapshot_download  # noqa: PLC0415
+    from huggingface_hub import snapshot_download  # noqa: PLC0415
 
     kw = options.download_kwargs()
     with _plain_errors(repo_id, options):
         if options.gguf_file:
-            return Path(hf_hub_download(repo_id, options.gguf_file, **kw))
+            return _download(repo_id, [options.gguf_file], kw)
         snap = Path(snapshot_download(repo_id, allow_patterns=_metadata_patterns(options), **kw))
         if not (snap / "config.json").is_file():
             raise _not_cached(repo_id, options) if options.offline else _not_transformers(repo_id, options, snap.name, "config.json")
@@ -132,7 +132,6 @@ def _metadata_patterns(options: HubOptions) -> list[str]:
 def _fetch_weights(repo_id: str, snap: Path, options: HubOptions, kw: dict[str, Any]) -> None:
     """Download the weights transformers would load from ``snap``: the shards an index names, else the first of
     ``WEIGHTS`` the repository has."""
-    from huggingface_hub import hf_hub_download  # noqa: PLC0415
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError  # noqa: PLC0415
 
     for index in INDEXES:
@@ -141,14 +140,11 @@ def _fetch_weights(repo_id: str, snap: Path, options: HubOptions, kw: dict[str, 
                 shards = sorted(set(json.loads((snap / index).read_text())["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ModelNotFoundError(f"{repo_id!r}: its {index} is not an index of shards ({type(e).__name__}: {e})") from None
-            _say_download(repo_id, shards, kw)
-            for name in shards:
-                hf_hub_download(repo_id, name, **kw)
+            _download(repo_id, shards, kw)
             return
     for name in WEIGHTS:
         try:
-            _say_download(repo_id, [name], kw)
-            hf_hub_download(repo_id, name, **kw)
+            _download(repo_id, [name], kw)
             return
         except LocalEntryNotFoundError:  # first: a subclass of EntryNotFoundError in huggingface_hub 0.x
             if not options.offline:
@@ -158,17 +154,30 @@ def _fetch_weights(repo_id: str, snap: Path, options: HubOptions, kw: dict[str, 
     raise _not_cached(repo_id, options) if options.offline else _not_transformers(repo_id, options, snap.name, " or ".join(WEIGHTS))
 
 
-def _say_download(repo_id: str, names: list[str], kw: dict[str, Any]) -> None:
-    """Log the weights about to be downloaded (huggingface_hub's byte bars show on a terminal only)."""
-    from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415
+def _download(repo_id: str, names: list[str], kw: dict[str, Any]) -> Path:
+    """``hf_hub_download`` of each of ``names`` (the last one's path returned), first logging those not in the cache
+    and their size (huggingface_hub's byte bars show on a terminal only). A name the repository lacks raises
+    ``EntryNotFoundError`` before anything is downloaded."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache  # noqa: PLC0415
+    from huggingface_hub.errors import EntryNotFoundError  # noqa: PLC0415
 
-    if kw["local_files_only"]:
-        return
-    cache = kw["cache_dir"]
-    missing = [n for n in names if not isinstance(try_to_load_from_cache(repo_id, n, cache_dir=cache, revision=kw["revision"]), str)]
-    if missing or kw["force_download"]:
-        log.warning("downloading %s of %s from %s into the Hugging Face cache (%s)", ", ".join(missing or names), repo_id,
-                    _hub(), storage_dir(repo_id, HubOptions(cache_dir=cache)))  # fmt: skip
+    def in_cache(name: str) -> bool:
+        return isinstance(try_to_load_from_cache(repo_id, name, cache_dir=kw["cache_dir"], revision=kw["revision"]), str)
+
+    todo = [] if kw["local_files_only"] else [n for n in names if kw["force_download"] or not in_cache(n)]
+    sizes: list[int | None] = []
+    for name in todo:
+        try:
+            sizes.append(get_hf_file_metadata(hf_hub_url(repo_id, name, revision=kw["revision"]), token=kw["token"]).size)
+        except EntryNotFoundError:
+            raise
+        except Exception:  # noqa: BLE001  (the download below meets the same trouble, and says it)
+            sizes.append(None)
+    if todo:
+        size = "" if None in sizes else f" ({sum(s or 0 for s in sizes) / 1e6:,.1f} MB)"
+        log.warning("downloading %s%s of %s from %s into the Hugging Face cache (%s)", ", ".join(todo), size, repo_id,
+                    _hub(), storage_dir(repo_id, HubOptions(cache_dir=kw["cache_dir"])))  # fmt: skip
+    return Path([hf_hub_download(repo_id, name, **kw) for name in names][-1])
 
 
 def _hub() -> str:

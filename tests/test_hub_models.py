@@ -8,6 +8,7 @@ typed line saying what to do.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -73,7 +74,7 @@ def test_first_load_downloads_into_the_cache_and_the_second_reads_it(hub: StandI
         model, tok = load_model(REPO)
     fetched = set(hub.downloads())
     assert {f"{REPO}/{n}" for n in ("config.json", "tokenizer.json", "model.safetensors")} <= fetched
-    assert "downloading model.safetensors of tiny-org/tiny-llama" in caplog.text  # said, beside huggingface_hub's bars
+    assert re.search(r"downloading model\.safetensors \([\d.,]+ MB\) of tiny-org/tiny-llama", caplog.text)  # beside the bars
     snapshot = Path(model.name_or_path)
     assert snapshot.is_relative_to(online / "hub" / "models--tiny-org--tiny-llama" / "snapshots")
     assert _same_weights(model, AutoModelForCausalLM.from_pretrained(tiny_model_dir)) and tok.eos_token == "</s>"
@@ -157,6 +158,20 @@ def test_a_sharded_checkpoint_downloads_every_shard(hub: StandInHub, online: Pat
     model, _ = load_model("tiny-org/sharded")
     assert sorted(f.split("/")[-1] for f in hub.downloads() if f.endswith(".safetensors")) == shards
     assert _same_weights(model, source)
+
+
+def test_a_pytorch_checkpoint_is_fetched_where_no_safetensors_is(hub: StandInHub, online: Path, tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    source = make_tiny_llama(seed=5)
+    old = tmp_path / "old"
+    source.config.save_pretrained(old)
+    make_tiny_tokenizer().save_pretrained(old)
+    torch.save(source.state_dict(), old / "pytorch_model.bin")
+    hub.add("tiny-org/old-style", old)
+    with caplog.at_level("WARNING", logger="cachegen_core.hub"):
+        model, _ = load_model("tiny-org/old-style")
+    assert _same_weights(model, source) and "tiny-org/old-style/pytorch_model.bin" in hub.downloads()
+    assert "downloading pytorch_model.bin" in caplog.text and "model.safetensors" not in caplog.text  # said only when true
 
 
 def test_a_gguf_file_of_a_hub_repository_is_converted_once(hub: StandInHub, online: Path, tmp_path: Path,
