@@ -3,8 +3,11 @@
     cachegen inspect FILE              a blob file's header (JSON)
     cachegen inspect STORE KEY         an entry of a store (a blob's header, a manifest), or a chunk by its id's start
     cachegen ls [STORE] [--json] [--no-headers]   (alias: keys) a store's chunks: options, bytes, age, model
-    cachegen model prepare [NAME]      convert the bundled reference model (or a .gguf) once; print its dir
-    cachegen model path [NAME]         print its dir without converting (exit 1: not prepared yet)
+    cachegen model prepare [NAME] [--gguf-file F] [--revision R]
+                                       download a hub model into the Hugging Face cache, or convert the bundled
+                                       reference model (or a .gguf) once; print its dir
+    cachegen model path [NAME] [--gguf-file F] [--revision R]
+                                       print its dir without downloading or converting (exit 1: not prepared yet)
     cachegen profile [--model MODEL] [--texts FILE.jsonl] [--field prompt] [--first I] [--last J] [--max-tokens N]
                      [--layer-power P] [--sensitivity-texts N] [--out PATH]
     cachegen stats [STORE] [--namespace NS] [--no-headers]
@@ -113,16 +116,18 @@ def _age(seconds: float | None) -> str:
 
 
 def _model_prepare(args: argparse.Namespace) -> int:
+    from .hub import HubOptions  # noqa: PLC0415
     from .models import resolve_model  # noqa: PLC0415
 
-    print(resolve_model(args.name))
+    print(resolve_model(args.name, HubOptions(revision=args.revision, gguf_file=args.gguf_file)))
     return 0
 
 
 def _model_path(args: argparse.Namespace) -> int:
+    from .hub import HubOptions  # noqa: PLC0415
     from .models import model_dir_for  # noqa: PLC0415
 
-    path, ready = model_dir_for(args.name)
+    path, ready = model_dir_for(args.name, HubOptions(revision=args.revision, gguf_file=args.gguf_file))
     print(path)
     if not ready:
         print(f"not prepared yet: run `cachegen model prepare {args.name}`", file=sys.stderr)
@@ -190,20 +195,23 @@ def _register_ls(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
 
 
 def _register_model(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    p = sub.add_parser("model", help="locate or convert a model (transformers dir, .gguf file or smollm2-135m)")
+    p = sub.add_parser("model", help="locate, download or convert a model (transformers dir, .gguf file, hub id or smollm2-135m)")
     actions = p.add_subparsers(dest="action", required=True)
     for action, func, text in [
-        ("prepare", _model_prepare, "convert a .gguf (or the bundled reference model) once and print its directory"),
-        ("path", _model_path, "print the model's directory without converting; exit 1 when not prepared yet"),
-    ]:
+        ("prepare", _model_prepare, "download a hub model into the Hugging Face cache, or convert a .gguf (or the bundled "
+                                    "reference model) once, and print its directory"),
+        ("path", _model_path, "print the model's directory without downloading or converting; exit 1 when not prepared yet"),
+    ]:  # fmt: skip
         a = actions.add_parser(action, help=text, description=text)
         a.add_argument("name", nargs="?", default="smollm2-135m", help="default: smollm2-135m")
+        a.add_argument("--gguf-file", default=None, help="a GGUF file of the hub repository (or directory) NAME")
+        a.add_argument("--revision", default=None, help="a hub model's branch, tag or commit (default: main)")
         a.set_defaults(func=func)
 
 
 def _register_profile(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("profile", help="fit the codec's profile (transform and table classes) on texts of a model")
-    p.add_argument("--model", default="smollm2-135m", help="transformers dir, .gguf file or smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="transformers dir, .gguf file, hub id or smollm2-135m")
     p.add_argument("--texts", default=None, help="JSONL file with one text per line (default: the shipped calibration text)")
     p.add_argument("--field", default="prompt")
     p.add_argument("--first", type=int, default=0, help="first record used")

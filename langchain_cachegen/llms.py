@@ -28,7 +28,7 @@ from cachegen_core.stores import KVStore
 
 from .documents import CachedDocuments, cache_documents, engine_prompt, tokenize_marked
 from .generation import ACCEPTED, GenerationFields, check_generation_kwargs, layered, refuse_unknown, to_transformers
-from .metadata import finish_reason, usage_metadata
+from .metadata import finish_reason, model_name, usage_metadata
 from .stop import StopStreamer, cut_at_stop
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -66,7 +66,9 @@ class CacheGenLLM(GenerationFields, BaseLLM):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     engine: KVEngine = Field(exclude=True)
-    model_id: str = DEFAULT_MODEL
+    model_id: str = ""
+    """The model's name, reported as ``model_name`` (generation info, traces' ``ls_model_name``): the name or path
+    it was loaded by, else the engine's model's ``name_or_path`` (``metadata.model_name``), unless given."""
     generation_kwargs: dict[str, Any] = Field(default_factory=lambda: {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS})
     """Defaults for transformers' ``generate`` (its names: ``max_new_tokens``, ``do_sample``, ``repetition_penalty``...),
     checked at construction; ``temperature``, ``top_p`` and ``top_k`` here sample unless ``do_sample`` is False. The
@@ -78,6 +80,13 @@ class CacheGenLLM(GenerationFields, BaseLLM):
         if isinstance(data, dict):
             where = "an option of CacheGenLLM.from_model_id, which builds the engine (with engine=..., set it on the engine)"
             refuse_unknown(cls.__name__, data, list(cls.model_fields), dict.fromkeys(set(_load_options()) - {"generation_kwargs"}, where))
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_the_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not data.get("model_id") and data.get("engine") is not None:
+            data = {**data, "model_id": model_name(data["engine"])}
         return data
 
     @model_validator(mode="after")
@@ -107,11 +116,14 @@ class CacheGenLLM(GenerationFields, BaseLLM):
         blend: Any = "fast",
         **kwargs: Any,
     ) -> CacheGenLLM:
-        """Load a local transformers directory, a ``.gguf`` file, a model id of the local Hugging Face cache
-        or the bundled reference model by short name; nothing is downloaded.
+        """Load a local transformers directory, a ``.gguf`` file, a Hugging Face hub id (``org/name``, downloaded into
+        the Hugging Face cache on first use as ``HuggingFacePipeline.from_model_id`` does; ``HF_HUB_OFFLINE=1``: the
+        cache only) or the bundled reference model by short name (never a download).
 
         ``device`` (``"cuda"``, ``"cpu"``, or ``-1``/``n`` as in ``HuggingFacePipeline``),
-        ``device_map``, ``dtype`` and ``model_kwargs`` place and load the model. The other
+        ``device_map``, ``dtype`` and ``model_kwargs`` place and load the model (``model_kwargs`` go to the tokenizer's
+        and the model's ``from_pretrained``: ``revision``, ``token``, ``cache_dir``, ``local_files_only``,
+        ``trust_remote_code``, a GGUF repository's ``gguf_file``...). The other
         keyword-only options configure the engine (``engine_kwargs`` holds the rarer ones of
         ``KVEngine.from_pretrained``); ``kwargs`` set this class's fields.
 

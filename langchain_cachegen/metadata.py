@@ -1,4 +1,4 @@
-"""What the LangChain classes report about an answer: why it ended, and its token usage.
+"""What the LangChain classes report about an answer: the model's name, why it ended, and its token usage.
 
 The engine's ``GenerationInfo`` counts tokens but does not say why generation stopped,
 so :func:`finish_reason` derives it from what the LangChain layer knows: the new tokens
@@ -13,6 +13,13 @@ from typing import Any, Literal
 from langchain_core.messages.ai import UsageMetadata
 
 FinishReason = Literal["stop", "length"]
+
+
+def model_name(engine: Any) -> str:
+    """The name an engine's model is reported under: the name or path it was loaded by (``KVEngine.from_pretrained``),
+    else the model's own ``name_or_path`` (where transformers loaded it from), else its class's name."""
+    model = getattr(engine, "model", None)
+    return str(getattr(engine, "model_name", None) or getattr(model, "name_or_path", None) or type(model).__name__)
 
 
 def finish_reason(new_tokens: int, max_new_tokens: int | None, stopped: bool) -> FinishReason:
@@ -38,4 +45,4 @@ def usage_metadata(info: Mapping[str, Any]) -> UsageMetadata:
     }
 
 
-__all__ = ["FinishReason", "finish_reason", "usage_metadata"]
+__all__ = ["FinishReason", "finish_reason", "model_name", "usage_metadata"]

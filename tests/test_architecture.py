@@ -14,7 +14,7 @@ MAX_LINES = 400
 #: top-level module or subpackage.
 LAYERS = [
     {"errors", "paths", "hfcompat"},
-    {"kv", "models", "pinned"},
+    {"kv", "models", "pinned", "hub"},
     {"keys"},
     {"coders"},
     {"codec"},

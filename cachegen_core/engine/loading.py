@@ -1,8 +1,9 @@
 """Building an engine from a model's name or object: ``KVEngine.from_pretrained``.
 
-Loads the model when given a name (``models.load_model``: never a download) and gives it the
-engine's attention, fills the arguments not given from the ``CACHEGEN_*`` settings, finds the
-model's codec profile, and calls the engine class with the codec they make.
+Loads the model when given a name (``models.load_model``: a hub id is downloaded into the Hugging Face cache
+on first use) and gives it the engine's attention, fills the arguments not given from the ``CACHEGEN_*`` settings, finds the
+model's codec profile, and calls the engine class with the codec they make. An engine loaded by name keeps it as
+``model_name`` (what the LangChain classes report: a hub model's files live in a snapshot directory).
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ def from_pretrained(
     auto_profile: bool | None = None,
     **kwargs: Any,
 ) -> E:
-    """Load a model (local dir, ``.gguf`` file, a model id of the local Hugging Face cache, or the
-    bundled reference model's short name) and build an engine.
+    """Load a model (local dir, ``.gguf`` file, a Hugging Face hub id — downloaded into the Hugging Face cache on
+    first use, ``HF_HUB_OFFLINE`` honoured — or the bundled reference model's short name) and build an engine;
+    or build one on a model object of your own (any dtype, any device: it is used as it is), with its ``tokenizer``.
 
     ``dtype``, ``device``, ``device_map`` and ``model_kwargs`` go to ``models.load_model`` (the
-    CPU by default). ``profile="auto"`` uses the model's profile for this codec configuration from
+    CPU by default; ``model_kwargs`` as ``from_pretrained`` takes them, ``revision``, ``token``, ``cache_dir``,
+    ``local_files_only`` and ``gguf_file`` included). ``profile="auto"`` uses the model's profile for this codec configuration from
     the user cache, the package or the store (``profiles.resolve_profile``); without one chunks carry
     their own table classes, and (``auto_profile``) the model's sensitivity is measured now (about 3 s for the
     reference model on 2 CPU cores) to weight their steps, and a profile is fitted in the background and
@@ -73,6 +76,8 @@ def from_pretrained(
     elif isinstance(profile, (str, Path)):
         profile = Profile.load(profile)
     engine = cls(model, tokenizer, limits.codec(config, profile, fingerprint=fp), store, **kwargs)
+    if isinstance(path_or_model, (str, Path)):  # the name traces report (langchain_cachegen's model_id), not a snapshot dir
+        engine.model_name = str(path_or_model)  # type: ignore[attr-defined]
     if auto and profile is None and (load_settings().auto_profile if auto_profile is None else auto_profile):
         measure_weights(engine, name=name)
         engine.profile_fitter = start_fitting(engine, name=name)  # type: ignore[attr-defined]

@@ -4,6 +4,7 @@
 - ``families``: a tiny random-init model of every decoder family the compatibility matrix checks;
 - ``redis_server``: real ``redis-server`` processes on a free loopback port;
 - ``redis_cluster``: a real Redis Cluster of them (``redis-cli --cluster create``), for failover tests;
+- ``hub``: a stand-in Hugging Face hub on 127.0.0.1 (``StandInHub``), serving repositories a test writes;
 - ``fuzz``: the structured fuzzer of the decoders, libFuzzer and atheris targets;
 - ``tolerance``: how far floats computed along two different paths may differ.
 
@@ -16,6 +17,7 @@ May import: anything of ``cachegen_core`` inside its functions (it sits above ev
 from __future__ import annotations
 
 from .families import FAMILIES, make_family_model
+from .hub import StandInHub
 from .redis_server import RedisServer, find_redis_server, free_port, in_ci, running_redis_server, start_redis_server
 from .tiny import make_tiny_kv, make_tiny_llama, make_tiny_tokenizer, words
 from .tolerance import reorder_tolerance
@@ -23,6 +25,7 @@ from .tolerance import reorder_tolerance
 __all__ = [
     "FAMILIES",
     "RedisServer",
+    "StandInHub",
     "find_redis_server",
     "free_port",
     "in_ci",
