@@ -83,7 +83,13 @@ class Plan:
         for p in self.parts:
             if p.shared is not None:
                 by.setdefault((p.shared.keys.data_ptr(), p.shared.num_tokens), []).append(p)
-        self.groups = [Group(g) for g in by.values()]
+        for p in self.parts:  # the request whose buffer holds a prefix others read: its prefix read with theirs, once
+            if p.shared is None and p.offset == 0:
+                n = max((n for ptr, n in by if ptr == p.own.keys.data_ptr() and n <= p.filled), default=0)
+                if n:
+                    p.shared, p.own, p.offset, p.filled = p.own.slice(0, n), p.own.slice(n, p.own.num_tokens), n, p.filled - n
+                    by[(p.shared.keys.data_ptr(), n)].append(p)
+        self.groups = [Group(sorted(g, key=lambda p: p.start)) for g in by.values()]
 
 
 class Group:
