@@ -1,6 +1,6 @@
 """Warm time to first token of every way to reuse a stored context, on every store and link (issue 15).
 
-    python -m benchmarks.warm_path [--quick] [--data F] [--device cpu|cuda] [--out F] [--plot F.png]
+    python -m benchmarks.warm_path [--quick] [--runs N] [--data F] [--device cpu|cuda] [--out F] [--plot F.png]
     python -m benchmarks.warm_path --device cuda --model llama-7b-shaped --contexts 7680 30720 \
         --stores memory disk emulated@10gbps emulated@25gbps   # the GPU table: a 7B-shaped model, timing only
 
@@ -41,9 +41,13 @@ median of ``--reps`` runs, the policies taking turns run by run (a drift of a sh
 decoding the levels' symbols at the native coder's rANS rate measured here + the question's
 prefill on the reused KV (measured here): what no implementation of that policy could beat.
 JSON lines: ``{"store", "link_gbps", "context_tokens", "policy", "ttft_s", "bytes", "fetch_s", "decode_s",
-"bound_s", ...}`` (the engine's rows: ``options`` chosen per chunk and ``requests``, every timed request's
-figures); a summary line per (store, context) gives ``cachegen-auto``'s ratio to ``fp16``.
-``--plot F.png``: TTFT against context length, a panel per store.
+"bound_s", "run", ...}`` (the engine's rows: ``options`` chosen per chunk and ``requests``, every timed request's
+figures); a summary line per (store, context, run) gives ``cachegen-auto``'s ratio to ``fp16``. ``--runs N`` (default 5)
+repeats the whole measurement N times, each with a fresh store and fresh engines (an engine learns its costs anew, so
+its choices may differ run to run: one run says little), the runs taking turns with the stores; after them a
+``vs_fp16_over_runs`` line per (store, context, policy: ``compared``) gives the median, min and max over the runs of ``fp16``'s TTFT
+over the policy's (above 1: sooner than fp16 bytes from the same store).
+``--plot F.png``: TTFT against context length, a panel per store (the median of the runs).
 """
 
 from __future__ import annotations
@@ -202,15 +206,16 @@ def rans_rate(engine: KVEngine, kv: KVCache) -> float:
 
 # ------------------------------------------------------------------ the run
 def arguments() -> argparse.ArgumentParser:
-    ap = parser(__doc__, device=True, quick_help="one 3K context, one transcript, one rep: under 10 minutes on 2 cores")
+    ap = parser(__doc__, device=True, quick_help="one 3K context, one transcript, one rep a run")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="the model's dtype (default: as saved; bfloat16 for a shaped model)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[3072, 7680], help="context tokens (multiples of the chunk)")
     ap.add_argument("--transcripts", type=int, default=2, help=f"held-out transcripts ({HELD_OUT}, {HELD_OUT + 1}, ...) per context length")
     ap.add_argument("--stores", nargs="+", default=DEFAULT_STORES, choices=["memory", "disk", "redis", *LINKS, *EMULATED])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5, help="whole measurements, each with a fresh store and engines (default: %(default)s)")
     ap.add_argument("--chunk-tokens", type=int, default=1536)
-    ap.add_argument("--miss-contexts", type=int, default=4, help="distinct contexts for the miss-path rows (0: none)")
+    ap.add_argument("--miss-contexts", type=int, default=None, help="distinct contexts for the miss-path rows (0: none; default 4, 2 with --quick)")
     ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES,
                     help="the policies timed (default: all; e.g. a longer A/B of a few, without text's long prefills)")
     ap.add_argument("--plot", default=None, metavar="F.png", help="TTFT against context length, a panel per store (PNG)")
@@ -225,7 +230,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
     if args.quick:
-        args.contexts, args.transcripts, args.reps, args.miss_contexts = [3072], 1, 1, 2
+        args.contexts, args.transcripts, args.reps = [3072], 1, 1
+    if args.miss_contexts is None:
+        args.miss_contexts = 2 if args.quick else 4
+    if args.runs < 1:
+        raise SystemExit("--runs must be >= 1")
     setup_threads()
     model, tok = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     t_start = time.perf_counter()
@@ -233,19 +242,27 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
         for tokens in args.contexts:
             texts = long_transcripts(args.data, HELD_OUT, args.transcripts, tok, tokens)  # joined past one transcript's length
             contexts = [Context(model, tok, t, tokens, args.chunk_tokens) for t in texts]
+            runs: dict[str, list[list[dict[str, Any]]]] = {}  # per store, each run's rows
+            for run_i in range(args.runs):  # the runs outside the stores: a drift of the box reaches every store alike
+                for store_kind in args.stores:
+                    link = LINKS.get(store_kind, EMULATED.get(store_kind))
+                    rows = _measure_store(args, model, tok, contexts, store_kind, urls.get(store_kind, urls.get("redis")), link)
+                    for r in rows:
+                        r["run"] = run_i
+                        out.emit(r)
+                    runs.setdefault(store_kind, []).append(rows)
+                    _summary(rows, store_kind, tokens, out, run_i)
+                    # once each store's engines and kept buffers stayed alive (20 GB at 7.5K by the disk store, the page
+                    # cache evicted): they are closed now, and anything else left in a cycle is collected here
+                    gc.collect()
+                print(f"# {tokens} tokens, run {run_i + 1} of {args.runs} done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
             for store_kind in args.stores:
-                link = LINKS.get(store_kind, EMULATED.get(store_kind))
-                rows = _measure_store(args, model, tok, contexts, store_kind, urls.get(store_kind, urls.get("redis")), link)
-                for r in rows:
+                for r in runs_summary(runs[store_kind]):
                     out.emit(r)
-                _summary(rows, store_kind, tokens, out)
                 if args.miss_contexts and store_kind in ("memory", "disk", "redis"):
                     miss_texts = long_transcripts(args.data, HELD_OUT + 2, args.miss_contexts, tok, tokens)
                     out.emit(miss_path(args, model, tok, store_kind, urls.get(store_kind), tokens, miss_texts))
-                # once each store's engines and kept buffers stayed alive (20 GB at 7.5K by the disk store, the page
-                # cache evicted): they are closed now, and anything else left in a cycle is collected here
-                gc.collect()
-            print(f"# {tokens} tokens done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+                    gc.collect()
     if args.plot:
         plot(out.rows, args.plot)
 
@@ -359,23 +376,45 @@ def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, token
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Warm TTFT against context tokens, a panel per store and device (titled by a row's ``panel`` where set)."""
-    panels: Panels = {}
+    """Warm TTFT against context tokens, a panel per store and device (titled by a row's ``panel`` where set); with
+    several runs, the median of theirs."""
+    points: dict[str, dict[str, dict[int, list[float]]]] = {}
     for r in rows:
         if r.get("policy") in PLOTTED:
             title = r.get("panel") or f"{r['store']}, {r['model']} on {r['device']}"
-            panels.setdefault(title, {label: [] for label in PLOTTED.values()})[PLOTTED[r["policy"]]].append((r["context_tokens"], r["ttft_s"]))
+            series = points.setdefault(title, {label: {} for label in PLOTTED.values()})[PLOTTED[r["policy"]]]
+            series.setdefault(r["context_tokens"], []).append(r["ttft_s"])
+    panels: Panels = {title: {label: [(x, statistics.median(ys)) for x, ys in by_x.items()] for label, by_x in series.items()}
+                      for title, series in points.items()}  # fmt: skip
     line_panels(panels, path, xlabel="context (tokens)", ylabel="warm TTFT (s, log scale)", bold=PLOTTED["cachegen-auto"])
 
 
-def _summary(rows: list[dict[str, Any]], store: str, tokens: int, out: Rows) -> None:
+def _summary(rows: list[dict[str, Any]], store: str, tokens: int, out: Rows, run: int = 0) -> None:
     by = {r["policy"]: r for r in rows}
     auto, fp16 = by.get("cachegen-auto"), by.get("fp16")
     if auto and fp16:
-        out.emit({"summary": "auto_vs_fp16", "store": store, "context_tokens": auto["context_tokens"],
+        out.emit({"summary": "auto_vs_fp16", "store": store, "context_tokens": auto["context_tokens"], "run": run,
                   "auto_over_fp16": round(auto["ttft_s"] / fp16["ttft_s"], 3),
                   "fp16_over_auto": round(fp16["ttft_s"] / auto["ttft_s"], 3),
                   "text_over_auto": round(by["text"]["ttft_s"] / auto["ttft_s"], 3) if "text" in by else None})  # fmt: skip
+
+
+def runs_summary(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per policy but ``fp16``, over the runs of one store and context: ``fp16``'s TTFT over the policy's in each run
+    (the same store, the same run), and their median, min and max; none without ``fp16`` rows."""
+    ratios: dict[str, list[float]] = {}
+    first: dict[str, Any] = {}
+    for rows in runs:
+        by = {r["policy"]: r for r in rows}
+        if "fp16" not in by:
+            return []
+        first = first or by["fp16"]
+        for name, r in by.items():
+            if name != "fp16":
+                ratios.setdefault(name, []).append(by["fp16"]["ttft_s"] / r["ttft_s"])
+    return [{"summary": "vs_fp16_over_runs", "store": first["store"], "context_tokens": first["context_tokens"], "compared": name,
+             "runs": len(rs), "fp16_over_policy_median": round(statistics.median(rs), 3), "min": round(min(rs), 3),
+             "max": round(max(rs), 3), "per_run": [round(x, 3) for x in rs]} for name, rs in ratios.items()]  # fmt: skip
 
 
 if __name__ == "__main__":
