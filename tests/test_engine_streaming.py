@@ -30,11 +30,15 @@ class SlowCountingStore(MemoryStore):
 
 
 class LocalLink(HarmonicMeanEstimator):
-    """A memory store's link at 1 GB/s once measured, whatever a fetch's wall time: a fetch timed during a CPU stall can
-    make raw bytes (4x level 1's) look slower than level 1 for every later stream, relaxed decode estimates or not."""
+    """A memory store's link at 1 GB/s once measured and no fixed cost, whatever a fetch's wall time: a fetch timed during
+    a CPU stall can make raw bytes (4x level 1's) look slower than level 1 for every later stream, relaxed decode
+    estimates or not."""
 
     def estimate(self) -> float | None:
         return None if not self.samples else 1e9
+
+    def fixed_s(self) -> float:
+        return 0.0
 
 
 def engine(model, tok, store, **kw):
@@ -277,5 +281,6 @@ def test_a_redis_server_on_this_host_is_planned_like_a_local_store(tiny_llama, t
         got, info = e.generate(prompt, max_new_tokens=3)
         assert info.levels == [1, 1, 1] and got == want == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 3)
         samples[same_host] = len(e.estimator.samples)
+        assert e.estimator.fixed_cost is (same_host is None)  # a read's fixed cost fitted on this host only: estimators.py
         e.close()
     assert samples == {None: 1, False: 3}
