@@ -195,6 +195,12 @@ def test_an_option_measured_slow_once_is_probed_off_the_requests_path_and_tried_
             break
         assert e.generate(prompt, max_new_tokens=1)[1].levels == [1, 1]
     assert costs["raw"] < poisoned / 100  # the probe's measurement replaced the estimate
+    # what the plan reads of level 1 fixed: on a tiny model a level's decode and a raw copy both cost a call's overhead,
+    # and which one a loaded CPU times faster is chance; a real chunk's level decode costs 30x its raw copy (and 0.1 ms
+    # a token here, so that the raw form's extra bytes, 14 us at LocalLink's 1 GB/s, never decide)
+    costs[1] = 30 * costs["raw"] + 1e-4
+    observe = e.cost_model.observe_decode
+    e.cost_model.observe_decode = lambda option, *a, **kw: option == 1 or observe(option, *a, **kw)
     _, info = e.generate(prompt, max_new_tokens=1)
     assert info.levels[0] == "raw"  # a local store: raw bytes first (copies cost the CPU less than decoding)
 
