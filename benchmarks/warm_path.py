@@ -37,9 +37,11 @@ checked against the proxy, ``redis@0.5gbps``/``redis@1gbps``, in the same run). 
 with random weights and the reference tokenizer, in ``--dtype`` (bfloat16 by default), for timing
 only: its rows say ``"random_init": true``; its answers and any quality mean nothing. Every policy
 is warmed up (the engine learns its costs and the link) before it is timed; a row is the
-median of ``--reps`` runs, the policies taking turns run by run (a drift of a shared box reaches them alike). ``bound_s`` = bytes / link bandwidth (none for local stores) +
-decoding the levels' symbols at the native coder's rANS rate measured here + the question's
-prefill on the reused KV (measured here): what no implementation of that policy could beat.
+median of ``--reps`` runs, the policies taking turns run by run (a drift of a shared box reaches them alike), each
+timed once every engine's background work is done (its writer's stages, its cost probes: ``quiet``).
+``bound_s`` = bytes / link bandwidth (none for local stores) + decoding the levels' symbols at the native coder's rANS
+rate measured here + the question's prefill on the reused KV (measured here): what no implementation of that policy
+could beat.
 JSON lines: ``{"store", "link_gbps", "context_tokens", "policy", "ttft_s", "bytes", "fetch_s", "decode_s",
 "bound_s", "run", ...}`` (the engine's rows: ``options`` chosen per chunk and ``requests``, every timed request's
 figures); a summary line per (store, context, run) gives ``cachegen-auto``'s ratio to ``fp16``. ``--runs N`` (default 5)
@@ -66,7 +68,7 @@ import torch
 
 from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, long_transcripts, parser, setup_threads
 from benchmarks.naive_kv import NAIVE, pinned_copy, pinned_ttft
-from benchmarks.plotting import Panels, line_panels
+from benchmarks.warm_summary import plot, run_summary, runs_summary
 from cachegen_core.engine import KVEngine, hf
 from cachegen_core.engine.options import exact16
 from cachegen_core.kv import KVCache, empty_tensor
@@ -77,8 +79,6 @@ LINKS = {"redis@1gbps": 1.0, "redis@0.5gbps": 0.5, "redis@0.2gbps": 0.2, "redis@
 EMULATED = {f"emulated@{g}gbps": float(g) for g in ("0.5", "1", "10", "25", "100")}
 DEFAULT_STORES = ["memory", "disk", "redis", "redis@1gbps", "redis@0.2gbps"]
 POLICIES = ["text", "fp16", "uniform8", "fp16-pinned", "cachegen-auto", "cachegen-raw", *(f"cachegen-{lv}" for lv in range(5))]
-PLOTTED = {"text": "recompute", "fp16": "fp16", "uniform8": "uniform8", "cachegen-1": "level 1", "cachegen-4": "level 4",
-           "cachegen-auto": "cachegen-auto"}  # what a plot draws, and its legend
 
 
 # ------------------------------------------------------------------ stores and links
@@ -186,6 +186,17 @@ def settled(engine: KVEngine) -> KVEngine:
     return engine
 
 
+def quiet(engines: dict[str, KVEngine]) -> None:
+    """Every engine's background work done: the writer's queued stages and the cost probes (a level's decode, one native
+    call a request cannot pause). The policies take turns, so a probe an engine started after its request would
+    otherwise run beside the next policy's timed request, on the same cores (without this wait, on 2 cores, the memory
+    store's cachegen-auto once answered in 0.59 s with the raw chunks it had answered with in 0.23 s just before, a
+    probe's level decode timed at 0.71 s meanwhile)."""
+    for e in engines.values():
+        e.flush()
+        e.prober.join(120)
+
+
 def engine_ttft(engine: KVEngine, ids: list[int]) -> dict[str, Any]:
     _, info = engine.generate(ids, max_new_tokens=1)
     if info.errors:
@@ -251,7 +262,7 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
                         r["run"] = run_i
                         out.emit(r)
                     runs.setdefault(store_kind, []).append(rows)
-                    _summary(rows, store_kind, tokens, out, run_i)
+                    run_summary(rows, store_kind, tokens, out, run_i)
                     # once each store's engines and kept buffers stayed alive (20 GB at 7.5K by the disk store, the page
                     # cache evicted): they are closed now, and anything else left in a cycle is collected here
                     gc.collect()
@@ -306,6 +317,7 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
             reps: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
             for _ in range(max(1, args.reps)):  # interleaved: a drift of the box's speed reaches every policy alike
                 for name, run in policies.items():
+                    quiet(engines)  # no policy timed beside another's background work (nor its own last request's)
                     reps[name].append(run())
             for name, runs in reps.items():
                 requests.setdefault(name, []).extend(runs)
@@ -373,48 +385,6 @@ def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, token
     return {"store": kind, "link_gbps": LINKS.get(kind, EMULATED.get(kind)), "context_tokens": tokens, "policy": "miss-path", "contexts": len(prompts),
             "storing_s": round(cold, 3), "plain_s": round(base, 3), "overhead": round(cold / base - 1, 4),
             "per_request_storing_s": [round(t, 3) for t in times["storing"]], "per_request_plain_s": [round(t, 3) for t in times["plain"]]}  # fmt: skip
-
-
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Warm TTFT against context tokens, a panel per store and device (titled by a row's ``panel`` where set); with
-    several runs, the median of theirs."""
-    points: dict[str, dict[str, dict[int, list[float]]]] = {}
-    for r in rows:
-        if r.get("policy") in PLOTTED:
-            title = r.get("panel") or f"{r['store']}, {r['model']} on {r['device']}"
-            series = points.setdefault(title, {label: {} for label in PLOTTED.values()})[PLOTTED[r["policy"]]]
-            series.setdefault(r["context_tokens"], []).append(r["ttft_s"])
-    panels: Panels = {title: {label: [(x, statistics.median(ys)) for x, ys in by_x.items()] for label, by_x in series.items()}
-                      for title, series in points.items()}  # fmt: skip
-    line_panels(panels, path, xlabel="context (tokens)", ylabel="warm TTFT (s, log scale)", bold=PLOTTED["cachegen-auto"])
-
-
-def _summary(rows: list[dict[str, Any]], store: str, tokens: int, out: Rows, run: int = 0) -> None:
-    by = {r["policy"]: r for r in rows}
-    auto, fp16 = by.get("cachegen-auto"), by.get("fp16")
-    if auto and fp16:
-        out.emit({"summary": "auto_vs_fp16", "store": store, "context_tokens": auto["context_tokens"], "run": run,
-                  "auto_over_fp16": round(auto["ttft_s"] / fp16["ttft_s"], 3),
-                  "fp16_over_auto": round(fp16["ttft_s"] / auto["ttft_s"], 3),
-                  "text_over_auto": round(by["text"]["ttft_s"] / auto["ttft_s"], 3) if "text" in by else None})  # fmt: skip
-
-
-def runs_summary(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per policy but ``fp16``, over the runs of one store and context: ``fp16``'s TTFT over the policy's in each run
-    (the same store, the same run), and their median, min and max; none without ``fp16`` rows."""
-    ratios: dict[str, list[float]] = {}
-    first: dict[str, Any] = {}
-    for rows in runs:
-        by = {r["policy"]: r for r in rows}
-        if "fp16" not in by:
-            return []
-        first = first or by["fp16"]
-        for name, r in by.items():
-            if name != "fp16":
-                ratios.setdefault(name, []).append(by["fp16"]["ttft_s"] / r["ttft_s"])
-    return [{"summary": "vs_fp16_over_runs", "store": first["store"], "context_tokens": first["context_tokens"], "compared": name,
-             "runs": len(rs), "fp16_over_policy_median": round(statistics.median(rs), 3), "min": round(min(rs), 3),
-             "max": round(max(rs), 3), "per_run": [round(x, 3) for x in rs]} for name, rs in ratios.items()]  # fmt: skip
 
 
 if __name__ == "__main__":
