@@ -48,12 +48,13 @@ class _Reads:
             raise ValueError("window must be >= 1")
         self.reads: deque[tuple[int, float]] = deque(maxlen=window)
         self.fixed_cost = fixed_cost
-        self._fixed: float | None = None
+        self._added = 0  # reads added so far: the fit below is of the reads up to that count
+        self._fit = (0, 0.0)
 
     def _add(self, nbytes: int, seconds: float) -> bool:
         if nbytes > 0 and seconds > 0:
             self.reads.append((nbytes, seconds))
-            self._fixed = None
+            self._added += 1
             return True
         return False
 
@@ -61,9 +62,11 @@ class _Reads:
         """Seconds every read costs whatever its bytes (0 without ``fixed_cost``, or while the reads cannot tell)."""
         if not self.fixed_cost:
             return 0.0
-        fixed = self._fixed
-        if fixed is None:
-            self._fixed = fixed = fit_read_fixed(tuple(self.reads))  # a copy: a probe's fetch may add a read meanwhile
+        added, fixed = self._fit
+        if added != self._added:  # a probe's fetch (another thread) may add a read meanwhile: the fit is of a copy
+            added = self._added
+            fixed = fit_read_fixed(tuple(self.reads))
+            self._fit = (added, fixed)
         return fixed
 
     @staticmethod
