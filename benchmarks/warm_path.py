@@ -217,13 +217,13 @@ def rans_rate(engine: KVEngine, kv: KVCache) -> float:
 
 # ------------------------------------------------------------------ the run
 def arguments() -> argparse.ArgumentParser:
-    ap = parser(__doc__, device=True, quick_help="one 3K context, one transcript, one rep a run")
+    ap = parser(__doc__, device=True, quick_help="one 3K context, one transcript, one rep a run (unless --reps says)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="the model's dtype (default: as saved; bfloat16 for a shaped model)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[3072, 7680], help="context tokens (multiples of the chunk)")
     ap.add_argument("--transcripts", type=int, default=2, help=f"held-out transcripts ({HELD_OUT}, {HELD_OUT + 1}, ...) per context length")
     ap.add_argument("--stores", nargs="+", default=DEFAULT_STORES, choices=["memory", "disk", "redis", *LINKS, *EMULATED])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None, help="timed requests per policy, a row their median (default 3, 1 with --quick)")
     ap.add_argument("--runs", type=int, default=5, help="whole measurements, each with a fresh store and engines (default: %(default)s)")
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--miss-contexts", type=int, default=None, help="distinct contexts for the miss-path rows (0: none; default 4, 2 with --quick)")
@@ -241,7 +241,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
     if args.quick:
-        args.contexts, args.transcripts, args.reps = [3072], 1, 1
+        args.contexts, args.transcripts = [3072], 1
+    if args.reps is None:
+        args.reps = 1 if args.quick else 3
     if args.miss_contexts is None:
         args.miss_contexts = 2 if args.quick else 4
     if args.runs < 1:
