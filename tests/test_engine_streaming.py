@@ -240,6 +240,34 @@ def test_probes_run_in_the_background_beside_no_request(tiny_llama, tiny_tokeniz
     e.close()
 
 
+class FixedCostReads(HarmonicMeanEstimator):
+    """A store whose every read costs 20 ms plus its bytes at 1 GB/s, whatever a fetch's wall time (a tiny model's chunk:
+    25 KB raw, 10 KB at level 1, almost all of a read's time its fixed cost)."""
+
+    def update(self, nbytes: int, seconds: float) -> None:
+        super().update(nbytes, 0.02 + nbytes / 1e9)
+
+
+def test_on_a_store_with_a_fixed_cost_per_read_raw_is_not_priced_as_a_slow_link(tiny_llama, tiny_tokenizer):
+    """Read as bandwidth, 25 KB in 20 ms is 1.2 MB/s, and the raw form's 15 KB more than level 1 look like 14 ms: more
+    than level 1's decode costs over the raw copy (6.3 ms, fixed here). With the fixed cost fitted apart (the engine's
+    estimator on a local store, once it has read two sizes) they cost 15 us, and the raw form is taken."""
+    chosen = {}
+    for fixed_cost in (False, True):
+        e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, store_options=["raw", 1], level=1,
+                     allow_text=False, background=False)  # fmt: skip
+        prompt = words(12, 2 * CHUNK + 5)
+        e.generate(prompt, max_new_tokens=1)
+        e.estimator = FixedCostReads(fixed_cost=fixed_cost)
+        e.cost_model.decode_s_per_token.update({"raw": 1e-6, 1: 1e-4})  # what the plan reads of decoding, fixed
+        e.cost_model.observe_decode = lambda *a, **kw: None
+        chosen[fixed_cost] = [e.generate(prompt, max_new_tokens=1)[1].levels for _ in range(3)]
+        e.close()
+    # the first chunk at the prior (1 GB/s): raw; its read, 25 KB in 20 ms, sets the estimate for the rest
+    assert chosen[False] == [["raw", 1], [1, 1], [1, 1]]  # the fixed cost read as bandwidth: the level, stream after stream
+    assert chosen[True] == [["raw", 1], [1, "raw"], ["raw", "raw"]]  # a level's read too (two sizes): the fixed cost apart
+
+
 def test_without_probes_a_slow_measurement_would_rule_raw_out():
     """The same poisoned estimate, no probe: nothing brings it back (what the probes are for)."""
     m = CostModel(1000)
