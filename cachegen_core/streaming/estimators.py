@@ -74,6 +74,10 @@ class _Reads:
         """What a read took per byte beyond the fixed cost (0: nothing left, a rate above anything measurable)."""
         return max(seconds - fixed, 0.0) / nbytes
 
+    @staticmethod
+    def _rate(seconds_per_byte: float) -> float:
+        return min(1.0 / seconds_per_byte, MAX_BANDWIDTH) if seconds_per_byte > 0 else MAX_BANDWIDTH
+
 
 class HarmonicMeanEstimator(_Reads):
     """Harmonic mean of the last ``window`` throughput samples (each read's bytes over its seconds less the fixed cost).
@@ -96,8 +100,7 @@ class HarmonicMeanEstimator(_Reads):
         if not reads:
             return None
         fixed = self.fixed_s()
-        per_byte = sum(self._seconds_per_byte(n, s, fixed) for n, s in reads) / len(reads)
-        return min(1.0 / per_byte, MAX_BANDWIDTH) if per_byte > 0 else MAX_BANDWIDTH
+        return self._rate(sum(self._seconds_per_byte(n, s, fixed) for n, s in reads) / len(reads))
 
 
 class LastSampleEstimator(_Reads):
@@ -105,7 +108,7 @@ class LastSampleEstimator(_Reads):
     fitted to the last ``window`` reads)."""
 
     def __init__(self, window: int = 20, *, fixed_cost: bool = False) -> None:
-        super().__init__(window, fixed_cost)
+        super().__init__(window, fixed_cost)  # the window only serves the fit
 
     @property
     def last(self) -> float | None:
@@ -118,8 +121,7 @@ class LastSampleEstimator(_Reads):
     def estimate(self) -> float | None:
         if not self.reads:
             return None
-        per_byte = self._seconds_per_byte(*self.reads[-1], self.fixed_s())
-        return min(1.0 / per_byte, MAX_BANDWIDTH) if per_byte > 0 else MAX_BANDWIDTH
+        return self._rate(self._seconds_per_byte(*self.reads[-1], self.fixed_s()))
 
 
 ESTIMATORS: dict[str, Callable[..., Estimator]] = {"harmonic": HarmonicMeanEstimator, "last": LastSampleEstimator}
