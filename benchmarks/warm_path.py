@@ -1,6 +1,6 @@
 """Warm time to first token of every way to reuse a stored context, on every store and link (issue 15).
 
-    python -m benchmarks.warm_path [--quick] [--data F] [--device cpu|cuda] [--out F] [--plot F.png]
+    python -m benchmarks.warm_path [--quick] [--runs N] [--data F] [--device cpu|cuda] [--out F] [--plot F.png]
     python -m benchmarks.warm_path --device cuda --model llama-7b-shaped --contexts 7680 30720 \
         --stores memory disk emulated@10gbps emulated@25gbps   # the GPU table: a 7B-shaped model, timing only
 
@@ -37,13 +37,19 @@ checked against the proxy, ``redis@0.5gbps``/``redis@1gbps``, in the same run). 
 with random weights and the reference tokenizer, in ``--dtype`` (bfloat16 by default), for timing
 only: its rows say ``"random_init": true``; its answers and any quality mean nothing. Every policy
 is warmed up (the engine learns its costs and the link) before it is timed; a row is the
-median of ``--reps`` runs, the policies taking turns run by run (a drift of a shared box reaches them alike). ``bound_s`` = bytes / link bandwidth (none for local stores) +
-decoding the levels' symbols at the native coder's rANS rate measured here + the question's
-prefill on the reused KV (measured here): what no implementation of that policy could beat.
+median of ``--reps`` runs, the policies taking turns run by run (a drift of a shared box reaches them alike), each
+timed once every engine's background work is done (its writer's stages, its cost probes: ``quiet``).
+``bound_s`` = bytes / link bandwidth (none for local stores) + decoding the levels' symbols at the native coder's rANS
+rate measured here + the question's prefill on the reused KV (measured here): what no implementation of that policy
+could beat.
 JSON lines: ``{"store", "link_gbps", "context_tokens", "policy", "ttft_s", "bytes", "fetch_s", "decode_s",
-"bound_s", ...}`` (the engine's rows: ``options`` chosen per chunk and ``requests``, every timed request's
-figures); a summary line per (store, context) gives ``cachegen-auto``'s ratio to ``fp16``.
-``--plot F.png``: TTFT against context length, a panel per store.
+"bound_s", "run", ...}`` (the engine's rows: ``options`` chosen per chunk and ``requests``, every timed request's
+figures); a summary line per (store, context, run) gives ``cachegen-auto``'s ratio to ``fp16``. ``--runs N`` (default 5)
+repeats the whole measurement N times, each with a fresh store and fresh engines (an engine learns its costs anew, so
+its choices may differ run to run: one run says little), the runs taking turns with the stores; after them a
+``vs_fp16_over_runs`` line per (store, context, policy: ``compared``) gives the median, min and max over the runs of ``fp16``'s TTFT
+over the policy's (above 1: sooner than fp16 bytes from the same store).
+``--plot F.png``: TTFT against context length, a panel per store (the median of the runs).
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ import torch
 
 from benchmarks.common import HELD_OUT, Rows, best_time, fresh_store, is_shaped, load, long_transcripts, parser, setup_threads
 from benchmarks.naive_kv import NAIVE, pinned_copy, pinned_ttft
-from benchmarks.plotting import Panels, line_panels
+from benchmarks.warm_summary import plot, run_summary, runs_summary
 from cachegen_core.engine import KVEngine
 from cachegen_core.engine.model import hf
 from cachegen_core.engine.chunks.options import exact16
@@ -74,8 +80,6 @@ LINKS = {"redis@1gbps": 1.0, "redis@0.5gbps": 0.5, "redis@0.2gbps": 0.2, "redis@
 EMULATED = {f"emulated@{g}gbps": float(g) for g in ("0.5", "1", "10", "25", "100")}
 DEFAULT_STORES = ["memory", "disk", "redis", "redis@1gbps", "redis@0.2gbps"]
 POLICIES = ["text", "fp16", "uniform8", "fp16-pinned", "cachegen-auto", "cachegen-raw", *(f"cachegen-{lv}" for lv in range(5))]
-PLOTTED = {"text": "recompute", "fp16": "fp16", "uniform8": "uniform8", "cachegen-1": "level 1", "cachegen-4": "level 4",
-           "cachegen-auto": "cachegen-auto"}  # what a plot draws, and its legend
 
 
 # ------------------------------------------------------------------ stores and links
@@ -183,6 +187,17 @@ def settled(engine: KVEngine) -> KVEngine:
     return engine
 
 
+def quiet(engines: dict[str, KVEngine]) -> None:
+    """Every engine's background work done: the writer's queued stages and the cost probes (a level's decode, one native
+    call a request cannot pause). The policies take turns, so a probe an engine started after its request would
+    otherwise run beside the next policy's timed request, on the same cores (without this wait, on 2 cores, the memory
+    store's cachegen-auto once answered in 0.59 s with the raw chunks it had answered with in 0.23 s just before, a
+    probe's level decode timed at 0.71 s meanwhile)."""
+    for e in engines.values():
+        e.flush()
+        e.prober.join(120)
+
+
 def engine_ttft(engine: KVEngine, ids: list[int]) -> dict[str, Any]:
     _, info = engine.generate(ids, max_new_tokens=1)
     if info.errors:
@@ -203,15 +218,16 @@ def rans_rate(engine: KVEngine, kv: KVCache) -> float:
 
 # ------------------------------------------------------------------ the run
 def arguments() -> argparse.ArgumentParser:
-    ap = parser(__doc__, device=True, quick_help="one 3K context, one transcript, one rep: under 10 minutes on 2 cores")
+    ap = parser(__doc__, device=True, quick_help="one 3K context, one transcript, one rep a run (unless --reps says)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                     help="the model's dtype (default: as saved; bfloat16 for a shaped model)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[3072, 7680], help="context tokens (multiples of the chunk)")
     ap.add_argument("--transcripts", type=int, default=2, help=f"held-out transcripts ({HELD_OUT}, {HELD_OUT + 1}, ...) per context length")
     ap.add_argument("--stores", nargs="+", default=DEFAULT_STORES, choices=["memory", "disk", "redis", *LINKS, *EMULATED])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None, help="timed requests per policy, a row their median (default 3, 1 with --quick)")
+    ap.add_argument("--runs", type=int, default=5, help="whole measurements, each with a fresh store and engines (default: %(default)s)")
     ap.add_argument("--chunk-tokens", type=int, default=1536)
-    ap.add_argument("--miss-contexts", type=int, default=4, help="distinct contexts for the miss-path rows (0: none)")
+    ap.add_argument("--miss-contexts", type=int, default=None, help="distinct contexts for the miss-path rows (0: none; default 4, 2 with --quick)")
     ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES,
                     help="the policies timed (default: all; e.g. a longer A/B of a few, without text's long prefills)")
     ap.add_argument("--plot", default=None, metavar="F.png", help="TTFT against context length, a panel per store (PNG)")
@@ -226,7 +242,13 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
     if args.quick:
-        args.contexts, args.transcripts, args.reps, args.miss_contexts = [3072], 1, 1, 2
+        args.contexts, args.transcripts = [3072], 1
+    if args.reps is None:
+        args.reps = 1 if args.quick else 3
+    if args.miss_contexts is None:
+        args.miss_contexts = 2 if args.quick else 4
+    if args.runs < 1:
+        raise SystemExit("--runs must be >= 1")
     setup_threads()
     model, tok = load(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
     t_start = time.perf_counter()
@@ -234,19 +256,27 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
         for tokens in args.contexts:
             texts = long_transcripts(args.data, HELD_OUT, args.transcripts, tok, tokens)  # joined past one transcript's length
             contexts = [Context(model, tok, t, tokens, args.chunk_tokens) for t in texts]
+            runs: dict[str, list[list[dict[str, Any]]]] = {}  # per store, each run's rows
+            for run_i in range(args.runs):  # the runs outside the stores: a drift of the box reaches every store alike
+                for store_kind in args.stores:
+                    link = LINKS.get(store_kind, EMULATED.get(store_kind))
+                    rows = _measure_store(args, model, tok, contexts, store_kind, urls.get(store_kind, urls.get("redis")), link)
+                    for r in rows:
+                        r["run"] = run_i
+                        out.emit(r)
+                    runs.setdefault(store_kind, []).append(rows)
+                    run_summary(rows, store_kind, tokens, out, run_i)
+                    # once each store's engines and kept buffers stayed alive (20 GB at 7.5K by the disk store, the page
+                    # cache evicted): they are closed now, and anything else left in a cycle is collected here
+                    gc.collect()
+                print(f"# {tokens} tokens, run {run_i + 1} of {args.runs} done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
             for store_kind in args.stores:
-                link = LINKS.get(store_kind, EMULATED.get(store_kind))
-                rows = _measure_store(args, model, tok, contexts, store_kind, urls.get(store_kind, urls.get("redis")), link)
-                for r in rows:
+                for r in runs_summary(runs[store_kind]):
                     out.emit(r)
-                _summary(rows, store_kind, tokens, out)
                 if args.miss_contexts and store_kind in ("memory", "disk", "redis"):
                     miss_texts = long_transcripts(args.data, HELD_OUT + 2, args.miss_contexts, tok, tokens)
                     out.emit(miss_path(args, model, tok, store_kind, urls.get(store_kind), tokens, miss_texts))
-                # once each store's engines and kept buffers stayed alive (20 GB at 7.5K by the disk store, the page
-                # cache evicted): they are closed now, and anything else left in a cycle is collected here
-                gc.collect()
-            print(f"# {tokens} tokens done at {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
+                    gc.collect()
     if args.plot:
         plot(out.rows, args.plot)
 
@@ -290,6 +320,7 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
             reps: dict[str, list[dict[str, Any]]] = {name: [] for name in policies}
             for _ in range(max(1, args.reps)):  # interleaved: a drift of the box's speed reaches every policy alike
                 for name, run in policies.items():
+                    quiet(engines)  # no policy timed beside another's background work (nor its own last request's)
                     reps[name].append(run())
             for name, runs in reps.items():
                 requests.setdefault(name, []).extend(runs)
@@ -357,26 +388,6 @@ def miss_path(args: Any, model: Any, tok: Any, kind: str, url: str | None, token
     return {"store": kind, "link_gbps": LINKS.get(kind, EMULATED.get(kind)), "context_tokens": tokens, "policy": "miss-path", "contexts": len(prompts),
             "storing_s": round(cold, 3), "plain_s": round(base, 3), "overhead": round(cold / base - 1, 4),
             "per_request_storing_s": [round(t, 3) for t in times["storing"]], "per_request_plain_s": [round(t, 3) for t in times["plain"]]}  # fmt: skip
-
-
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Warm TTFT against context tokens, a panel per store and device (titled by a row's ``panel`` where set)."""
-    panels: Panels = {}
-    for r in rows:
-        if r.get("policy") in PLOTTED:
-            title = r.get("panel") or f"{r['store']}, {r['model']} on {r['device']}"
-            panels.setdefault(title, {label: [] for label in PLOTTED.values()})[PLOTTED[r["policy"]]].append((r["context_tokens"], r["ttft_s"]))
-    line_panels(panels, path, xlabel="context (tokens)", ylabel="warm TTFT (s, log scale)", bold=PLOTTED["cachegen-auto"])
-
-
-def _summary(rows: list[dict[str, Any]], store: str, tokens: int, out: Rows) -> None:
-    by = {r["policy"]: r for r in rows}
-    auto, fp16 = by.get("cachegen-auto"), by.get("fp16")
-    if auto and fp16:
-        out.emit({"summary": "auto_vs_fp16", "store": store, "context_tokens": auto["context_tokens"],
-                  "auto_over_fp16": round(auto["ttft_s"] / fp16["ttft_s"], 3),
-                  "fp16_over_auto": round(fp16["ttft_s"] / auto["ttft_s"], 3),
-                  "text_over_auto": round(by["text"]["ttft_s"] / auto["ttft_s"], 3) if "text" in by else None})  # fmt: skip
 
 
 if __name__ == "__main__":

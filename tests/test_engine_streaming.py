@@ -30,11 +30,15 @@ class SlowCountingStore(MemoryStore):
 
 
 class LocalLink(HarmonicMeanEstimator):
-    """A memory store's link at 1 GB/s once measured, whatever a fetch's wall time: a fetch timed during a CPU stall can
-    make raw bytes (4x level 1's) look slower than level 1 for every later stream, relaxed decode estimates or not."""
+    """A memory store's link at 1 GB/s once measured and no fixed cost, whatever a fetch's wall time: a fetch timed during
+    a CPU stall can make raw bytes (4x level 1's) look slower than level 1 for every later stream, relaxed decode
+    estimates or not."""
 
     def estimate(self) -> float | None:
         return None if not self.samples else 1e9
+
+    def fixed_s(self) -> float:
+        return 0.0
 
 
 def engine(model, tok, store, **kw):
@@ -191,6 +195,12 @@ def test_an_option_measured_slow_once_is_probed_off_the_requests_path_and_tried_
             break
         assert e.generate(prompt, max_new_tokens=1)[1].levels == [1, 1]
     assert costs["raw"] < poisoned / 100  # the probe's measurement replaced the estimate
+    # what the plan reads of level 1 fixed: on a tiny model a level's decode and a raw copy both cost a call's overhead,
+    # and which one a loaded CPU times faster is chance; a real chunk's level decode costs 30x its raw copy (and 0.1 ms
+    # a token here, so that the raw form's extra bytes, 14 us at LocalLink's 1 GB/s, never decide)
+    costs[1] = 30 * costs["raw"] + 1e-4
+    observe = e.cost_model.observe_decode
+    e.cost_model.observe_decode = lambda option, *a, **kw: option == 1 or observe(option, *a, **kw)
     _, info = e.generate(prompt, max_new_tokens=1)
     assert info.levels[0] == "raw"  # a local store: raw bytes first (copies cost the CPU less than decoding)
 
@@ -228,6 +238,34 @@ def test_probes_run_in_the_background_beside_no_request(tiny_llama, tiny_tokeniz
     assert e.prober.dropped == 0 and e.prober.measured == len({0, 1, 2, 3} - used) + 1  # + the chunk's prefill
     assert set(e.cost_model.measured_at) == {0, 1, 2, 3} and e.cost_model.prefill_seconds(CHUNK, 0) < 1.0
     e.close()
+
+
+class FixedCostReads(HarmonicMeanEstimator):
+    """A store whose every read costs 20 ms plus its bytes at 1 GB/s, whatever a fetch's wall time (a tiny model's chunk:
+    25 KB raw, 10 KB at level 1, almost all of a read's time its fixed cost)."""
+
+    def update(self, nbytes: int, seconds: float) -> None:
+        super().update(nbytes, 0.02 + nbytes / 1e9)
+
+
+def test_on_a_store_with_a_fixed_cost_per_read_raw_is_not_priced_as_a_slow_link(tiny_llama, tiny_tokenizer):
+    """Read as bandwidth, 25 KB in 20 ms is 1.2 MB/s, and the raw form's 15 KB more than level 1 look like 14 ms: more
+    than level 1's decode costs over the raw copy (6.3 ms, fixed here). With the fixed cost fitted apart (the engine's
+    estimator on a local store, once it has read two sizes) they cost 15 us, and the raw form is taken."""
+    chosen = {}
+    for fixed_cost in (False, True):
+        e = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=CHUNK, store_options=["raw", 1], level=1,
+                     allow_text=False, background=False)  # fmt: skip
+        prompt = words(12, 2 * CHUNK + 5)
+        e.generate(prompt, max_new_tokens=1)
+        e.estimator = FixedCostReads(fixed_cost=fixed_cost)
+        e.cost_model.decode_s_per_token.update({"raw": 1e-6, 1: 1e-4})  # what the plan reads of decoding, fixed
+        e.cost_model.observe_decode = lambda *a, **kw: None
+        chosen[fixed_cost] = [e.generate(prompt, max_new_tokens=1)[1].levels for _ in range(3)]
+        e.close()
+    # the first chunk at the prior (1 GB/s): raw; its read, 25 KB in 20 ms, sets the estimate for the rest
+    assert chosen[False] == [["raw", 1], [1, 1], [1, 1]]  # the fixed cost read as bandwidth: the level, stream after stream
+    assert chosen[True] == [["raw", 1], [1, "raw"], ["raw", "raw"]]  # a level's read too (two sizes): the fixed cost apart
 
 
 def test_without_probes_a_slow_measurement_would_rule_raw_out():
@@ -277,5 +315,6 @@ def test_a_redis_server_on_this_host_is_planned_like_a_local_store(tiny_llama, t
         got, info = e.generate(prompt, max_new_tokens=3)
         assert info.levels == [1, 1, 1] and got == want == plain_greedy(tiny_llama, tiny_tokenizer, prompt, 3)
         samples[same_host] = len(e.estimator.samples)
+        assert e.estimator.fixed_cost is (same_host is None)  # a read's fixed cost fitted on this host only: estimators.py
         e.close()
     assert samples == {None: 1, False: 3}

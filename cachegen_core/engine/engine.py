@@ -136,7 +136,7 @@ class KVEngine:
         self.slo_s = slo_s
         self.allow_text = allow_text
         self.estimator_name = estimator
-        self.estimator = make_estimator(estimator)
+        self.estimator = make_estimator(estimator, fixed_cost=fetches_on_cpu(store))  # a read's fixed cost apart: estimators.py
         self.kv_geometry = hf.supported_geometry(model)  # raises UnsupportedModel
         self.max_positions = position_limit(model.config)  # a longer request is refused (positions.py)
         self.buffers = BufferPool(*self.kv_geometry, hf.model_dtype(model), model.device)  # prompts' KV, reused

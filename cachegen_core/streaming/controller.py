@@ -23,6 +23,10 @@ that decode, so plans are made ``serial``: a fetch does not overlap a decode (on
 level chunk with a raw one was 17 % slower than plain fp16 bytes on the disk store and 17 % slower
 over loopback Redis, the plan having counted on the overlap).
 
+A fetch is planned to take ``fixed_s + bytes / bandwidth`` (``fixed_s``: what every read costs whatever its size, fitted
+by the engine's estimator on a store on this host, ``estimators.py``): the fixed cost is paid once per read by every
+stored form alike, so it never makes a big raw form look slow, and it makes a stored form dearer against text.
+
 With a deadline:
 
 decision rule, after the CacheGen paper (SIGCOMM'24, section 5.3): try the options in
@@ -131,12 +135,14 @@ def predict_finish(
     n_requests: int = 1,
     busy_s: float = 0.0,
     serial: bool = False,
+    fixed_s: float = 0.0,
 ) -> float:
     """When (seconds from the stream's start) every remaining chunk is ready if all go at ``option``.
 
     Two-stage pipeline: fetches back to back on the link, each decode once its chunk
     has arrived and the compute stage is free (it is busy for ``busy_s`` from now).
     ``serial``: fetching is the same CPU's work as decoding (a local store), so they take turns.
+    ``fixed_s``: the seconds each read costs on top of its bytes at ``bandwidth``.
     """
     ready = elapsed_s + busy_s
     if option == TEXT:
@@ -146,7 +152,7 @@ def predict_finish(
         size = c.sizes.get(option)
         if size is None:  # not stored for this chunk: never feasible
             return math.inf
-        arrived = (max(arrived, ready) if serial else arrived) + n_requests * size / bandwidth
+        arrived = (max(arrived, ready) if serial else arrived) + n_requests * (fixed_s + size / bandwidth)
         ready = max(ready, arrived) + compute_seconds(c, option, prefill_s_per_token, n_requests)
     return ready
 
@@ -165,6 +171,7 @@ def choose(
     safety: float = 0.85,
     floor: Option | None = None,
     serial: bool = False,
+    fixed_s: float = 0.0,
 ) -> Decision:
     """The option for ``remaining[0]`` (the rules are in the module docstring).
 
@@ -174,6 +181,7 @@ def choose(
     plans are scored at this fraction of ``bandwidth``.
     ``floor``: without ``slo_s``, the coarsest acceptable option (default: the finest of ``options``).
     ``serial``: fetching takes the CPU that decodes (a local store): no fetch overlaps a decode in the plans.
+    ``fixed_s``: the seconds every read costs on top of its bytes at ``bandwidth`` (the estimator's).
     """
     if not remaining:
         raise ValueError("no chunk left to choose for")
@@ -192,13 +200,13 @@ def choose(
         if bandwidth is None or bandwidth <= 0:  # nothing measured yet: the floor itself, or the finest there is
             first = floor if floor in ordered else next((o for o in ordered if rank(o) <= bound), None)
             return Decision(first if first is not None else TEXT, bandwidth, None, True)
-        return _fastest(remaining, good, elapsed_s=elapsed_s, bandwidth=safety * bandwidth, busy_s=busy_s,
+        return _fastest(remaining, good, elapsed_s=elapsed_s, bandwidth=safety * bandwidth, busy_s=busy_s, fixed_s=fixed_s,
                         prefill_s_per_token=prefill_s_per_token, n_requests=n_requests, allow_text=allow_text, serial=serial)  # fmt: skip
     if bandwidth is None or bandwidth <= 0:
         return Decision(ordered[len(ordered) // 2], bandwidth, None, True)
 
     def finish(opt: Option) -> float:
-        return predict_finish(remaining, opt, elapsed_s=elapsed_s, bandwidth=bandwidth, busy_s=busy_s,
+        return predict_finish(remaining, opt, elapsed_s=elapsed_s, bandwidth=bandwidth, busy_s=busy_s, fixed_s=fixed_s,
                               prefill_s_per_token=prefill_s_per_token, n_requests=n_requests, serial=serial)  # fmt: skip
 
     budget = elapsed_s + safety * max(slo_s - elapsed_s, 0.0)
@@ -229,6 +237,7 @@ def _fastest(
     n_requests: int,
     allow_text: bool,
     serial: bool = False,
+    fixed_s: float = 0.0,
 ) -> Decision:
     """No deadline: the candidate for ``remaining[0]`` whose greedy plan of the rest finishes first
     (ties go to the finer option)."""
@@ -236,7 +245,7 @@ def _fastest(
     def place(c: ChunkCost, o: Option, link: float, compute: float) -> tuple[float, float]:
         if o == TEXT:
             return link, compute + compute_seconds(c, TEXT, prefill_s_per_token, n_requests)
-        arrived = (max(link, compute) if serial else link) + n_requests * c.sizes[o] / bandwidth
+        arrived = (max(link, compute) if serial else link) + n_requests * (fixed_s + c.sizes[o] / bandwidth)
         return arrived, max(compute, arrived) + compute_seconds(c, o, prefill_s_per_token, n_requests)
 
     def candidates(c: ChunkCost) -> list[Option]:
@@ -284,9 +293,10 @@ class Controller:
             rank(self.floor)
 
     def decide(
-        self, remaining: Sequence[ChunkCost], *, elapsed_s: float, bandwidth: float | None, n_requests: int = 1, busy_s: float = 0.0
+        self, remaining: Sequence[ChunkCost], *, elapsed_s: float, bandwidth: float | None, n_requests: int = 1, busy_s: float = 0.0,
+        fixed_s: float = 0.0,
     ) -> Decision:
-        """:func:`choose` with these settings."""
+        """:func:`choose` with these settings (``fixed_s``: a read's fixed seconds, the estimator's)."""
         return choose(remaining, options=self.options, elapsed_s=elapsed_s, slo_s=self.slo_s, bandwidth=bandwidth,
                       prefill_s_per_token=self.prefill_s_per_token, n_requests=n_requests, busy_s=busy_s,
-                      allow_text=self.allow_text, safety=self.safety, floor=self.floor, serial=self.serial)  # fmt: skip
+                      allow_text=self.allow_text, safety=self.safety, floor=self.floor, serial=self.serial, fixed_s=fixed_s)  # fmt: skip

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Generic, TypeVar
 
 from .controller import TEXT, ChunkCost, Controller, Decision, Option, compute_seconds, rank
-from .estimators import Estimator
+from .estimators import Estimator, read_fixed_s
 
 C = TypeVar("C", bound=Hashable)
 T = TypeVar("T")
@@ -166,8 +166,8 @@ def stream_chunks(
     parts: list[T] = []
 
     def plan(i: int, busy_s: float) -> Decision:
-        return controller.decide([cost_of(j) for j in range(i, len(ids))], elapsed_s=clock() - start,
-                                 bandwidth=estimator.estimate(), n_requests=n_requests, busy_s=busy_s)  # fmt: skip
+        return controller.decide([cost_of(j) for j in range(i, len(ids))], elapsed_s=clock() - start, bandwidth=estimator.estimate(),
+                                 n_requests=n_requests, busy_s=busy_s, fixed_s=read_fixed_s(estimator))  # fmt: skip
 
     def timed_fetch(chunk: C, level: Option) -> tuple[Sized, float]:
         t = clock()

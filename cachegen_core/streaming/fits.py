@@ -1,4 +1,5 @@
-"""Costs fitted from measurements: non-negative least squares in relative errors, and the prefill's cost by position.
+"""Costs fitted from measurements: non-negative least squares in relative errors, the prefill's cost by position, and a
+read's fixed cost.
 
 A prefill of ``tokens`` tokens after ``position`` tokens already in the cache costs
 ``g + a * tokens + b * tokens * (position + tokens / 2)`` seconds: a per-call overhead ``g`` (kernel launches, a
@@ -7,7 +8,12 @@ position ``p`` attends to ``p`` keys: summed over the chunk, ``tokens * (positio
 long prompt costs more to recompute than the same chunk at its start (on an H200, a 7B model's 30K-token prompt took
 1.25 s, five times its first quarter). Every fit is non-negative (no cost is negative: a plain fit of noisy points gave
 the prefill a negative per-token term) and in relative errors (a 20 ms prefill counts as much as a 2 s one), as
-``benchmarks.store_budget`` fits its costs. Plain functions over plain data.
+``benchmarks.store_budget`` fits its costs.
+
+A read of ``n`` bytes from a store costs ``fixed + n * per_byte`` seconds (:func:`fit_read_fixed`): every read pays a
+lookup, a request, a check's setup whatever its size. Read as bandwidth, that fixed cost makes a small read look slow
+(a level's blob, a partial chunk, a tiny model's chunk), and a raw form of four times its bytes look four times slower
+to fetch than it is. Plain functions over plain data.
 """
 
 from __future__ import annotations
@@ -38,6 +44,26 @@ def fit_nonnegative(xs: Sequence[Sequence[float]], ys: Sequence[float]) -> tuple
     coef = best[1] if best is not None else np.zeros(a.shape[1])
     err = float(np.mean(np.abs(a @ coef - y) * w))
     return [float(c) for c in coef], err
+
+
+#: Reads whose sizes span less than this factor cannot tell a fixed cost from bandwidth: none is fitted to them.
+READ_SPREAD = 2.0
+
+
+def fit_read_fixed(reads: Sequence[tuple[int, float]], spread: float = READ_SPREAD) -> float:
+    """The seconds every read costs whatever its bytes, fitted to measured ``(bytes, seconds)`` reads as
+    ``seconds = fixed + bytes * per_byte`` (non-negative, relative errors): never more than the fastest read took (every
+    read pays it), and 0 when the reads' sizes span less than ``spread`` (reads of one size are as well explained by a
+    slower link as by a fixed cost: the bandwidth alone then, which predicts reads of that size right)."""
+    pts = [(n, s) for n, s in reads if n > 0 and s > 0]
+    if len(pts) < 2:
+        return 0.0
+    sizes = [n for n, _ in pts]
+    if max(sizes) < spread * min(sizes):
+        return 0.0
+    scale = max(sizes)  # bytes in units of the largest read: both columns of order one
+    (fixed, _), _ = fit_nonnegative([[1.0, n / scale] for n in sizes], [s for _, s in pts])
+    return min(fixed, min(s for _, s in pts))
 
 
 @dataclass(frozen=True)

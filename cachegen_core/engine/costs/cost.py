@@ -10,6 +10,9 @@ form: its bytes at ``copy_bytes_per_s``), the prefill ``prefill_prior_s_per_toke
 model's shape, ``attention_per_position``); the first measurement replaces a prior outright, later ones move the
 estimate smoothly.
 
+What a fetch costs is not here: the engine's estimator measures it, per store (``streaming/estimators.py``: the
+bandwidth and, on a store on this host, a read's fixed cost apart from it), and the controller adds it to these costs.
+
 Priors are not trusted for long: the engine measures every option off the request's path (``probes.py``): a raw form's
 copy on the model's device when it is built, and after each stream (:meth:`after_stream`) the options it offered but
 did not use that were never measured on a stored chunk, or not for ``probe_every`` streams, one stored chunk each, decoded in the

@@ -34,6 +34,7 @@ from ...errors import CacheGenError, StoreError
 from ...kv import KVCache
 from ...stores.base import fetches_on_cpu
 from ...streaming import RAW_OPTIONS, TEXT, Option
+from ...streaming.estimators import read_fixed_s
 from ..model import hf
 from ..serving.buffers import BufferPool
 from ..serving.yielding import Stopped, Yielding, stop_at_exit
@@ -205,7 +206,7 @@ class Prober:
         fetches would share it."""
         e = self._engine
         bandwidth = e.estimator.estimate()
-        if not fetches_on_cpu(e.store) and bandwidth and size / bandwidth > MAX_PROBE_FETCH_S:
+        if not fetches_on_cpu(e.store) and bandwidth and read_fixed_s(e.estimator) + size / bandwidth > MAX_PROBE_FETCH_S:
             return False
         blob, seconds = self._timed(lambda: e.reader.fetch(key, option))
         if seconds:
