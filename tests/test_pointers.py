@@ -256,3 +256,66 @@ def test_a_batch_borrows_one_stored_chunk_for_two_prompts(tiny_llama, tiny_token
     fresh = _engine(tiny_llama, tiny_tokenizer)
     assert [t for t, _ in out] == [fresh.generate(p, max_new_tokens=NEW)[0] for p in prompts]
 
+
+# ------------------------------------------------------------------ stats, gc, ls, inspect
+def _pointed_store(tiny_llama, tiny_tokenizer, store):
+    """A tail of 48 tokens after a complete chunk (its pointers under the prefixes of 16 and 32) and its keys."""
+    llm = _llm(tiny_llama, tiny_tokenizer, store=store, level=1, store_options=["raw", 1])
+    llm.invoke(words(1, 115))
+    tail = llm.engine._partials(llm.engine.tokenize(words(1, 115)))(CHUNK)[-1]
+    return llm, tail, [k for k, _ in pointers(tail)]
+
+
+def test_stats_and_gc_count_pointers_apart_and_delete_those_whose_chunk_goes(tiny_llama, tiny_tokenizer, tmp_path, capsys):
+    import json
+
+    from cachegen_core.cli import main
+    from cachegen_core.stores import DiskCacheStore
+    from cachegen_core.stores.admin import GcPolicy, gc, stats
+
+    d = str(tmp_path / "kv")
+    llm, tail, keys = _pointed_store(tiny_llama, tiny_tokenizer, DiskCacheStore(d))
+    store = llm.engine.store
+    assert len(keys) == 2 and all(store.get(k) is not None for k in keys)
+    s = stats(store, headers=False)
+    sizes = [len(store.get(k)) for k in keys]
+    assert (s["chunks"], s["pointers"], s["pointer_bytes"], s["chunks_without_manifest"], s["other_keys"]) == (2, 2, sum(sizes), 0, 0)
+    assert s["entries"] == 2 * 3 + 2 and s["bytes"] == sum(len(store.get(k)) for k in store.keys())
+    assert s["tiers"]["capacity"]["entries"] == 2 * 2 + 2  # manifests, levels, pointers
+    assert sizes == [len(v) for _, v in pointers(tail)] and max(sizes) < 140 + 4 * 4 / 3 * 32  # 16 and 32 tokens of suffix, base64
+
+    assert main(["ls", d, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted(r["pointer"] for r in rows if "pointer" in r) == sorted(k[:-2] for k in keys)
+    assert main(["ls", d]) == 0
+    assert "2 chunks (0 without a manifest), 2 pointers, 0 other keys" in capsys.readouterr().out
+    assert main(["inspect", d, keys[0]]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["pointer"] == {"chunk": tail.key, "tokens": 32, "suffix_tokens": 16}
+    assert main(["inspect", d, keys[1][:12]]) == 0  # by the id it is under
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["chunk"] == keys[1][:-2] and shown["manifest"] is None and shown["pointer"]["tokens"] == 16
+
+    assert gc(store, GcPolicy(orphans=True))["pointers_deleted"] == 0  # their chunk is there
+    r = gc(store, GcPolicy(max_bytes=s["bytes"] - 1), dry_run=True)  # the oldest unit goes first, a chunk or a pointer
+    assert r["chunks_deleted"] + r["pointers_deleted"] >= 1 and r["bytes_left"] < s["bytes"]
+    store.delete(manifest_key(tail.key))  # the tail evicted (its blobs left: an orphan chunk)
+    r = gc(store, GcPolicy(orphans=True, orphan_grace_s=0))
+    assert (r["pointers_deleted"], r["pointers_by_reason"], r["by_reason"]) == (2, {"dangling": 2}, {"orphan": 1})
+    assert all(store.get(k) is None for k in keys) and stats(store, headers=False)["pointers"] == 0
+
+
+def test_gc_of_a_model_deletes_the_pointers_to_its_chunks(tiny_llama, tiny_tokenizer):
+    from cachegen_core.stores.admin import GcPolicy, gc
+
+    from cachegen_core.stores.signed import SignedStore
+
+    llm, tail, keys = _pointed_store(tiny_llama, tiny_tokenizer, SignedStore(MemoryStore(), b"k" * 32))
+    store = llm.engine.store
+    store.put(pointer_key("ab" * 32), b"not a pointer")  # unreadable: dangling
+    r = gc(store, GcPolicy(orphans=True))  # signed pointers read without the key: their chunk is there
+    assert (r["pointers_deleted"], r["pointers_left"], r["chunks_deleted"]) == (1, 2, 0)
+    r = gc(store, GcPolicy(model=llm.engine.fingerprint[:12]))
+    assert (r["chunks_deleted"], r["pointers_deleted"], r["pointers_left"]) == (2, 2, 0) and not list(store.keys())
+    _, info = llm.engine.generate(words(1, 100) + " " + words(2, 9), max_new_tokens=1)
+    assert info.cached_tokens == 0 and not info.errors
