@@ -8,11 +8,14 @@ chunk's first tokens: it answers as without a cache. A bad pointer or a pointed 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
+import torch
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
+from cachegen_core.cli import main
 from cachegen_core.engine import KVEngine
 from cachegen_core.engine.chunks.tails import decode_borrowed
 from cachegen_core.errors import CacheGenFormatError
@@ -20,7 +23,10 @@ from cachegen_core.keys.chunks import PartialChunk, blob_key, chunk_keys, partia
 from cachegen_core.keys.manifest import Manifest, manifest_key
 from cachegen_core.keys.pointers import MAX_POINTERS, MAX_SUFFIX_TOKENS, Borrowed, Pointer, follow, pointer_key, pointers
 from cachegen_core.kv import KVCache
+from cachegen_core.stores import DiskCacheStore
+from cachegen_core.stores.admin import GcPolicy, gc, stats
 from cachegen_core.stores.memory import MemoryStore
+from cachegen_core.stores.signed import SignedStore
 from cachegen_core.testing import words
 from langchain_cachegen import CacheGenLLM, ChatCacheGen
 from langchain_cachegen.chat_template import render_prompt
@@ -78,8 +84,6 @@ def test_a_pointer_round_trips_and_is_parsed_strictly():
            {**good, "chunk": "AB" * 32}, {**good, "chunk": "ab" * 31}, {**good, "tokens": True}, {**good, "tokens": 0},
            {**good, "tokens": 48.0}, {**good, "suffix": ""}, {**good, "suffix": "BQAA"}, {**good, "suffix": "BQ AAAA=="},
            {**good, "suffix": 5}]  # fmt: skip
-    import json
-
     assert Pointer.from_bytes(json.dumps(good).encode()).tokens == 48
     for b in bad:
         with pytest.raises(CacheGenFormatError):
@@ -241,8 +245,6 @@ def test_a_borrowed_chunk_is_the_stored_chunks_first_tokens_with_or_without_room
 
 
 def torch_equal(a: KVCache, b: KVCache) -> bool:
-    import torch
-
     return torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
@@ -267,12 +269,6 @@ def _pointed_store(tiny_llama, tiny_tokenizer, store):
 
 
 def test_stats_and_gc_count_pointers_apart_and_delete_those_whose_chunk_goes(tiny_llama, tiny_tokenizer, tmp_path, capsys):
-    import json
-
-    from cachegen_core.cli import main
-    from cachegen_core.stores import DiskCacheStore
-    from cachegen_core.stores.admin import GcPolicy, gc, stats
-
     d = str(tmp_path / "kv")
     llm, tail, keys = _pointed_store(tiny_llama, tiny_tokenizer, DiskCacheStore(d))
     store = llm.engine.store
@@ -306,10 +302,6 @@ def test_stats_and_gc_count_pointers_apart_and_delete_those_whose_chunk_goes(tin
 
 
 def test_gc_of_a_model_deletes_the_pointers_to_its_chunks(tiny_llama, tiny_tokenizer):
-    from cachegen_core.stores.admin import GcPolicy, gc
-
-    from cachegen_core.stores.signed import SignedStore
-
     llm, tail, keys = _pointed_store(tiny_llama, tiny_tokenizer, SignedStore(MemoryStore(), b"k" * 32))
     store = llm.engine.store
     store.put(pointer_key("ab" * 32), b"not a pointer")  # unreadable: dangling
