@@ -18,7 +18,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from cachegen_core.cli import main
 from cachegen_core.engine import KVEngine
 from cachegen_core.engine.chunks.tails import decode_borrowed
-from cachegen_core.errors import CacheGenFormatError
+from cachegen_core.errors import CacheGenFormatError, StoreError
 from cachegen_core.keys.chunks import PartialChunk, blob_key, chunk_keys, partial_chunks
 from cachegen_core.keys.manifest import Manifest, manifest_key
 from cachegen_core.keys.pointers import MAX_POINTERS, MAX_SUFFIX_TOKENS, Borrowed, Pointer, follow, pointer_key, pointers
@@ -227,6 +227,23 @@ def test_a_borrowing_prompt_leaves_the_pointed_chunk_its_raw_form(tiny_llama, ti
     assert not engine.writer.drop_raw(prefix, 1) and store.get(manifest_key(prefix.key)) is None
     own = engine._partials(engine.tokenize(second))(CHUNK)[-1]
     assert Pointer.from_bytes(store.get(pointer_key(prefix.key))).chunk == own.key
+
+
+def test_a_store_refusing_pointers_still_stores_the_chunk_and_its_levels(tiny_llama, tiny_tokenizer):
+    class NoPointers(MemoryStore):
+        def put_many(self, items):
+            items = list(items.items() if isinstance(items, dict) else items)
+            if any(k.endswith("-P") for k, _ in items):
+                raise StoreError("refused")
+            super().put_many(items)
+
+    llm = _llm(tiny_llama, tiny_tokenizer, store=NoPointers(), level=1, store_options=["raw", 1], background=True)
+    second, tail, prefix = _stored_pair(llm)
+    store = llm.engine.store
+    assert llm.engine.flush(30) and llm.engine.store_stats["failed"] == 0  # levels are a later stage: written too
+    assert Manifest.from_bytes(store.get(manifest_key(tail.key))).options == ["raw", 1] and store.get(pointer_key(prefix.key)) is None
+    _, info = llm.engine.generate(second, max_new_tokens=2)
+    assert info.cached_tokens == CHUNK and not info.errors  # no pointer: the complete chunk only, as before
 
 
 @pytest.mark.parametrize("room", [True, False])

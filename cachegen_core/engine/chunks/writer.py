@@ -158,13 +158,23 @@ class ChunkWriter:
             sizes = {**self._stored(chunk), **(before.sizes if before is not None else {}), **{o: len(b) for o, b in blobs.items()}}
             manifest = Manifest(sizes)
             self.store.put(manifest_key(chunk.key), manifest.to_bytes())  # last: it vouches for every blob above
-            if stage in (None, 0) and (entries := pointers(chunk)):  # a partial chunk's, once its manifest is there
-                self.store.put_many(entries)
         except StoreError as e:
             self.health.failed(f"store write failed: {e}")
             raise
         self.health.recovered("writable")
+        if stage in (None, 0):
+            self.point(chunk)
         return manifest
+
+    def point(self, chunk: Chunk) -> None:
+        """Store the pointers to a partial chunk from its shorter prefixes (``keys/pointers.py``; none for another
+        chunk), once its manifest is there. A failure is logged (once while the store fails), never raised: the chunk
+        itself is stored, and its later stages still are."""
+        if entries := pointers(chunk):
+            try:
+                self.store.put_many(entries)
+            except StoreError as e:
+                self.health.failed(f"store write failed (pointers to a partial chunk): {e}")
 
     def _stored(self, chunk: Chunk) -> dict[Option, int]:
         """The options the chunk's manifest in the store names now ({} when none, or unreadable)."""
