@@ -2,8 +2,8 @@
 
 The reader's side of ``keys/pointers.py``. :func:`find_tail` looks up, in one store request, the manifest and
 the pointer under each of the prompt's candidate partial keys; the longest candidate stored itself wins over
-shorter ones, a longer one reached through a pointer over it (the pointed chunks' manifests: one more request,
-only when there are pointers to follow). A pointer is followed only when it proves, with the prompt's own
+shorter ones, a longer one reached through a pointer over it (the pointed chunk's manifest: one more request,
+only when there is a pointer to follow; another per other chunk named when the first is gone). A pointer is followed only when it proves, with the prompt's own
 tokens, that the chunk it names extends them (``pointers.follow``); a bad one is reported and skipped, one
 whose chunk is gone (or holds no option fine enough) is a plain miss. :func:`decode_borrowed` decodes the
 longer chunk whole and keeps its first tokens.
@@ -58,34 +58,29 @@ def find_tail(reader: TailReader, candidates: Sequence[Chunk], floor: Option, in
         if (manifest := reader.usable_manifest(raw[i], floor, options, info, what)) is not None:
             own, hit = i, (candidates[i], manifest)
             break
-    borrowed = []  # longest first
+    gone: set[str] = set()  # chunks pointers named that are not stored (in a usable option)
+    # longer ones reached through a pointer, longest first, each parsed only when reached (the first usually holds)
     for c, data in zip(reversed(candidates[own + 1 :]), reversed(raw[n + own + 1 :])):
         if not data:
             continue
         try:
-            borrowed.append(follow(c, data))
+            b = follow(c, data)
         except CacheGenFormatError as e:
             info.errors.append(msg := f"bad pointer for the partial chunk of {c.num_tokens} tokens, ignored: {e}")
             log.warning(msg)
-    return _stored(reader, borrowed, floor, info, options) or hit
-
-
-def _stored(reader: TailReader, borrowed: list[Borrowed], floor: Option, info: GenerationInfo,
-            options: Sequence[Option] | None) -> tuple[Chunk, Manifest] | None:  # fmt: skip
-    """The first of ``borrowed`` whose stored chunk holds an option at least as fine as ``floor``, and its manifest."""
-    sources = list(dict.fromkeys(b.source for b in borrowed))
-    if not sources:
-        return None
-    try:
-        raw = dict(zip(sources, reader.get_many([manifest_key(s) for s in sources])))
-    except StoreError as e:
-        reader.trouble(info, f"store failure following a pointer to a partial chunk: {e}")
-        return None
-    for b in borrowed:
+            continue
+        if b.source in gone:
+            continue
+        try:
+            (data,) = reader.get_many([manifest_key(b.source)])
+        except StoreError as e:
+            reader.trouble(info, f"store failure following a pointer to a partial chunk: {e}")
+            break
         what = f"the partial chunk of {b.source_end - b.start} tokens a pointer names, ignored"
-        if (manifest := reader.usable_manifest(raw[b.source], floor, options, info, what)) is not None:
+        if (manifest := reader.usable_manifest(data, floor, options, info, what)) is not None:
             return b, manifest
-    return None
+        gone.add(b.source)
+    return hit
 
 
 def decode_borrowed(reader: TailReader, blob: bytes, chunk: Borrowed, option: Option, buffer: KVCache) -> KVCache:
