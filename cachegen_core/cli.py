@@ -71,23 +71,27 @@ def _ls(args: argparse.Namespace) -> int:
     from .stores.listing import chunk_rows  # noqa: PLC0415
 
     with _open_store(args) as store:
-        rows, others = chunk_rows(store, headers=not args.no_headers)
+        rows, pointers, others = chunk_rows(store, headers=not args.no_headers)
     if args.json:
-        for row in [*rows, *others]:
+        for row in [*rows, *pointers, *others]:
             print(json.dumps(row))
         return 0
     table = [("CHUNK", "MANIFEST", "OPTIONS", "BYTES", "AGE", "MODEL")]
     table += [(r["chunk"][:16], "yes" if r["manifest"] is not None else "-", ",".join(r["options"]) or "-", _size(r["bytes"]),
                _age(r["age_s"]), (r.get("model") or "-")[:12]) for r in rows]  # fmt: skip
+    if pointers:
+        table += [("", "", "", "", "", ""), ("POINTER", "", "", "BYTES", "AGE", "")]
+        table += [(p["pointer"][:16], "", "", _size(p["bytes"]), _age(p["age_s"]), "") for p in pointers]
     if others:
         table += [("", "", "", "", "", ""), ("OTHER KEY", "", "", "BYTES", "AGE", "")]
         table += [(o["key"], "", "", _size(o["bytes"]), _age(o["age_s"]), "") for o in others]
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for r in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
-    total = sum(r["bytes"] for r in rows) + sum(o["bytes"] for o in others)
+    total = sum(r["bytes"] for r in [*rows, *pointers, *others])
     bare = sum(r["manifest"] is None for r in rows)
-    print(f"{_count(len(rows), 'chunk')} ({bare} without a manifest), {_count(len(others), 'other key')}, {_size(total)}")
+    some = f"{_count(len(pointers), 'pointer')}, " if pointers else ""
+    print(f"{_count(len(rows), 'chunk')} ({bare} without a manifest), {some}{_count(len(others), 'other key')}, {_size(total)}")
     return 0
 
 
@@ -187,7 +191,8 @@ def _register_ls(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     p = sub.add_parser("ls", aliases=["keys"], help="list a store's chunks (options, bytes, age, model) and other keys",
                        description="One line per chunk: its id (the first 16 hex digits; `cachegen inspect STORE ID` shows "
                        "it), whether its manifest is there, the options stored (levels, raw forms), bytes (on Redis: its "
-                       "memory usage), age (since last use) and model fingerprint; then the keys that are no chunk's.")  # fmt: skip
+                       "memory usage), age (since last use) and model fingerprint; then the pointers to partial chunks (under the "
+                       "id of the prefix that finds them) and the keys that are no chunk's.")  # fmt: skip
     _store_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object per line, chunk ids whole")
     p.add_argument("--no-headers", action="store_true", help="skip reading blob headers (no model column)")
@@ -291,7 +296,8 @@ def _register_gc(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> 
     p.add_argument("--max-bytes", type=lambda t: parse_quantity(t, "size"), default=None, metavar="SIZE",
                    help="then the oldest chunks until the store holds at most SIZE: 500M, 5G")  # fmt: skip
     p.add_argument("--model", default=None, metavar="FP", help="chunks of the model whose fingerprint starts with FP")
-    p.add_argument("--orphans", action="store_true", help="chunks without a manifest, 10 minutes after their last write")
+    p.add_argument("--orphans", action="store_true", help="chunks without a manifest, 10 minutes after their last write, "
+                   "and pointers whose chunk is gone (deleted whenever gc deletes chunks too)")  # fmt: skip
     p.add_argument("--tier", choices=("all", "raw"), default="all",
                    help="raw: delete raw (16-bit) forms only, each by its own age; their chunks stay hits at their levels")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")

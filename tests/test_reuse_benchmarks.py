@@ -1,4 +1,4 @@
-"""benchmarks.rag_reuse and benchmarks.chat_reuse run end to end (a tiny random model stands in) and report what they say."""
+"""benchmarks.rag_reuse, benchmarks.chat_reuse and benchmarks.plain_reuse run end to end (a tiny random model stands in) and report what they say."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import chat_reuse, common, rag_reuse
+from benchmarks import chat_reuse, common, plain_reuse, rag_reuse
 from cachegen_core.testing import words
 
 RAG_KEYS = {"method", "recompute_ratio", "docs", "context_tokens", "ttft_s", "ppl_rel_delta", "top1_agreement", "cached_tokens"}
@@ -51,6 +51,22 @@ def test_chat_reuse_rows(tiny_model_dir, data, tmp_path):
     assert rows[0]["cached_tokens"] == 0 and rows[0]["partial_bytes"] > 0
     for r in rows[1:]:
         assert r["recomputed_tokens"] <= r["added_tokens"] + 64 and r["store_requests"] >= 2
+
+
+def test_plain_reuse_rows(tiny_model_dir, data, tmp_path, monkeypatch):
+    """A plain prompt's next question reuses its context to the last 64-token step it agrees with the first to, or to
+    where the first one's partial chunk ends: at 1143, inside its last 64 tokens."""
+    monkeypatch.setattr(plain_reuse, "QUESTIONS", ["w5 w6 w7 w8 w9 w10 w11 w12 w13 w14", "w15 w16"])  # words the tokenizer knows
+    out = tmp_path / "plain.jsonl"
+    plain_reuse.main(["--model", tiny_model_dir, "--data", data, "--contexts", "1100", "1143", "--store", "memory", "--transcript", "0",
+                     "--out", str(out)])  # fmt: skip
+    rows = _rows(out)
+    assert [(r["context_tokens"], r["question"]) for r in rows] == [(1100, 0), (1100, 1), (1143, 0), (1143, 1)]
+    for first, second in zip(rows[::2], rows[1::2]):  # each context on an empty store
+        assert first["cached_tokens"] == 0 and first["pointer_bytes"] > 0 and first["tail_level_bytes"] > 0
+        assert second["cached_tokens"] == min(second["agree_tokens"] // 64 * 64, first["tail_tokens"]) > 0
+        assert second["store_pointer_bytes"] >= first["pointer_bytes"] and second["store_bytes"] > first["tail_level_bytes"]
+    assert rows[3]["cached_tokens"] < rows[2]["tail_tokens"]  # found through a pointer
 
 
 def test_blend_ablation_rows(tiny_model_dir, data, tmp_path):

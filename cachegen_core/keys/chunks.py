@@ -20,7 +20,8 @@ token but the last few. A partial chunk covering ``[start, end)`` (``start`` a c
                 token ids [0, end) as little-endian uint32)
 
 (:func:`partial_chunks`), so it never collides with a complete chunk's key and, like one, is
-reused only behind exactly the same tokens.
+reused only behind exactly the same tokens. Each comes as a :class:`PartialChunk`, which also carries what the
+pointers to it from its shorter prefixes are made and checked with (``pointers.py``).
 
 Store keys. A chunk is stored once per option under ``blob_key(chunk.key, option)`` =
 ``"<64 hex chars>-L<level>"`` (or ``-Lraw``, ``-Llossless`` for the raw forms), with its
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,30 @@ class Chunk:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def stored(self) -> Chunk:
+        """The chunk whose blobs hold this one's KV: itself (but for ``pointers.Borrowed``)."""
+        return self
+
+
+@dataclass(frozen=True)
+class PartialChunk(Chunk):
+    """A partial chunk (:func:`partial_chunks`) with what is none of its identity: ``tokens``, its token ids
+    ``[start, end)`` (little-endian uint32); ``shorter``, the (end, key) of each partial chunk from the same start
+    that it extends, shortest first; ``state``, the running hash after its last token (``extended``)."""
+
+    tokens: Any = field(default=None, compare=False, repr=False)
+    shorter: tuple[tuple[int, str], ...] = field(default=(), compare=False, repr=False)
+    state: Any = field(default=None, compare=False, repr=False)
+
+    def extended(self, suffix: np.ndarray) -> str:
+        """The key of the partial chunk of this one's tokens followed by ``suffix`` (token ids, little-endian uint32)."""
+        if self.state is None:
+            raise ValueError("a partial chunk without its hash state")
+        h = self.state.copy()
+        h.update(np.ascontiguousarray(suffix, dtype="<u4").tobytes())
+        return h.hexdigest()
 
 
 def num_complete_chunks(n_tokens: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> int:
@@ -147,11 +172,16 @@ def partial_chunks(
     for part in (fingerprint, codec_id, profile_id, str(chunk_tokens), str(step)):
         _field(h, part.encode())
     h.update(tokens[:start].tobytes())
-    out, at = [], start
+    span = tokens[start : ends[-1]].copy()  # (the caller's array may change: this one is the chunks')
+    out: list[Chunk] = []
+    shorter: list[tuple[int, str]] = []
     for end in ends:
-        h.update(tokens[at:end].tobytes())
-        at = end
-        out.append(Chunk(index=start // chunk_tokens, start=start, end=end, key=h.copy().hexdigest()))
+        h.update(span[end - step - start : end - start].tobytes())
+        state = h.copy()
+        key = state.hexdigest()
+        out.append(PartialChunk(index=start // chunk_tokens, start=start, end=end, key=key, tokens=span[: end - start],
+                                shorter=tuple(shorter), state=state))  # fmt: skip
+        shorter.append((end, key))
     return out
 
 

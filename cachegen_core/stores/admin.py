@@ -5,10 +5,14 @@ level); :func:`scan` groups a store's entries by chunk. A chunk's *age* is its
 manifest's (the entry the engine looks up on every request), else its newest entry's:
 on disk the time since it was stored, on Redis since it was last read or written (the
 listing itself reads nothing, see ``RedisStore.entries``). Blob headers are read only
-for what needs them (models by fingerprint), a bounded prefix at a time. Keys of
-another shape in the namespace are counted as ``other`` and never touched. Both report per
-tier (``tiers.py``): the raw forms, and the rest (manifests, levels, other keys); ``gc`` with
-``tier="raw"`` drops raw forms only (each by its own age), leaving every chunk a hit at its level.
+for what needs them (models by fingerprint), a bounded prefix at a time. A partial chunk's
+pointers (``<prefix key>-P``, ``keys/pointers.py``: a few KB each, leading a prompt to a longer
+partial chunk) are counted as ``pointers``, in no chunk: ``gc`` deletes one by its own age, by size
+as a unit of its own, and, read only then, when the chunk it names is gone or goes in that ``gc``
+(``dangling``). Keys of another shape in the namespace are counted as ``other`` and never touched.
+Both report per tier (``tiers.py``): the raw forms, and the rest (manifests, levels, pointers, other
+keys); ``gc`` with ``tier="raw"`` drops raw forms only (each by its own age), leaving every chunk a hit
+at its level.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ from typing import Any
 
 from ..errors import CacheGenFormatError
 from ..codec.format import read_header
+from ..keys.pointers import Pointer
 from .base import KVStore
-from .signed import unwrap
+from .signed import OVERHEAD, TRAILER, unwrap
 from .tiers import CAPACITY_TIER, RAW_TIER
 
 KEY_RE = re.compile(r"^(?P<chunk>[0-9a-f]{64})-(?:(?P<manifest>M)|L(?P<level>\d{1,2}|raw|lossless))$")
+POINTER_RE = re.compile(r"^(?P<prefix>[0-9a-f]{64})-P$")
 #: Bytes read to parse a blob's header (a header is ~1 KiB; a longer one is read whole).
 HEAD_BYTES = 1 << 16
 
@@ -65,10 +71,15 @@ class Scan:
     other_keys: int = 0
     other_bytes: int = 0
     others: list[tuple[str, int, float | None]] = field(default_factory=list)  # (key, bytes, age) of each
+    pointers: dict[str, tuple[int, float | None]] = field(default_factory=dict)  # key -> (bytes, age)
+
+    @property
+    def pointer_bytes(self) -> int:
+        return sum(n for n, _ in self.pointers.values())
 
     @property
     def bytes(self) -> int:
-        return sum(c.bytes for c in self.chunks.values()) + self.other_bytes
+        return sum(c.bytes for c in self.chunks.values()) + self.other_bytes + self.pointer_bytes
 
 
 def entries(store: KVStore) -> Iterable[tuple[str, int, float | None]]:
@@ -85,6 +96,9 @@ def scan(store: KVStore) -> Scan:
     out = Scan({})
     for key, size, age in entries(store):
         m = KEY_RE.match(key)
+        if m is None and POINTER_RE.match(key):
+            out.pointers[key] = (size, age)
+            continue
         if m is None:
             out.other_keys += 1
             out.other_bytes += size
@@ -149,7 +163,7 @@ def stats(store: KVStore, *, headers: bool = True) -> dict[str, Any]:
     ages = [c.age_s for c in s.chunks.values() if c.age_s is not None]
     out: dict[str, Any] = {
         "store": repr(unwrap(store)),
-        "entries": sum(len(c.keys) for c in s.chunks.values()) + s.other_keys,
+        "entries": sum(len(c.keys) for c in s.chunks.values()) + len(s.pointers) + s.other_keys,
         "bytes": s.bytes,
         "chunks": len(s.chunks),
         "manifests": sum(c.manifest is not None for c in s.chunks.values()),
@@ -157,6 +171,8 @@ def stats(store: KVStore, *, headers: bool = True) -> dict[str, Any]:
         "blobs": sum(len(c.levels) for c in s.chunks.values()),
         "levels": {str(lv): levels[lv] for lv in sorted(levels, key=option_order)},
         "chunks_without_manifest": sum(c.manifest is None for c in s.chunks.values()),
+        "pointers": len(s.pointers),
+        "pointer_bytes": s.pointer_bytes,
         "other_keys": s.other_keys,
         "oldest_chunk_age_s": max(ages) if ages else None,
         "newest_chunk_age_s": min(ages) if ages else None,
@@ -179,7 +195,7 @@ def tiers(s: Scan) -> dict[str, dict[str, int]]:
     """Entries and bytes of each tier: the raw forms, and the rest."""
     raw_blobs = sum(len(c.raw_ages) for c in s.chunks.values())
     raw_bytes = sum(c.raw_bytes for c in s.chunks.values())
-    entries = sum(len(c.keys) for c in s.chunks.values()) + s.other_keys
+    entries = sum(len(c.keys) for c in s.chunks.values()) + len(s.pointers) + s.other_keys
     return {RAW_TIER: {"entries": raw_blobs, "bytes": raw_bytes},
             CAPACITY_TIER: {"entries": entries - raw_blobs, "bytes": s.bytes - raw_bytes}}  # fmt: skip
 
@@ -211,7 +227,7 @@ class GcPolicy:
 
 def gc(store: KVStore, policy: GcPolicy, *, dry_run: bool = False) -> dict[str, Any]:
     """Evict the chunks ``policy`` selects (whole chunks, manifest first; or their raw forms alone with
-    ``tier="raw"``); what was (or would be) deleted."""
+    ``tier="raw"``) and the pointers it selects (see the module doc); what was (or would be) deleted."""
     s = scan(store)
     if policy.tier == RAW_TIER:
         return _gc_raw(store, s, policy, dry_run)
@@ -223,18 +239,28 @@ def gc(store: KVStore, policy: GcPolicy, *, dry_run: bool = False) -> dict[str, 
             reasons[c.chunk] = "orphan"
         elif policy.model is not None and (chunk_model(store, c) or "").startswith(policy.model):
             reasons[c.chunk] = "model"
-    left = s.bytes - sum(s.chunks[k].bytes for k in reasons)
+    old = policy.max_age_s
+    gone = {k: "age" for k, (_, age) in s.pointers.items() if old is not None and age is not None and age >= old}  # pointer -> reason
+    dangling = _Dangling(store, s, policy.orphan_grace_s)
+    if reasons or policy.orphans:
+        dangling.add_to(gone, reasons)
+    left = s.bytes - sum(s.chunks[k].bytes for k in reasons) - sum(s.pointers[k][0] for k in gone)
     if policy.max_bytes is not None and left > policy.max_bytes:
-        rest = sorted((c for c in s.chunks.values() if c.chunk not in reasons),
-                      key=lambda c: -1.0 if c.age_s is None else c.age_s, reverse=True)  # fmt: skip
-        for c in rest:
+        units = [(c.age_s, c.chunk, c.bytes) for c in s.chunks.values() if c.chunk not in reasons]
+        units += [(age, k, n) for k, (n, age) in s.pointers.items() if k not in gone]
+        for age, unit, n in sorted(units, key=lambda u: -1.0 if u[0] is None else u[0], reverse=True):
             if left <= policy.max_bytes:
                 break
-            reasons[c.chunk] = "size"
-            left -= c.bytes
+            (gone if unit in s.pointers else reasons)[unit] = "size"
+            left -= n
+        if "size" in reasons.values():
+            left -= dangling.add_to(gone, reasons)
     victims = [s.chunks[k] for k in reasons]
     backend = unwrap(store)
     if not dry_run:
+        pointers = list(gone)  # first: a pointer leads to a chunk, never the other way
+        for i in range(0, len(pointers), 200):
+            backend.delete_many(pointers[i : i + 200])
         for i in range(0, len(victims), 200):
             batch = victims[i : i + 200]
             backend.delete_many([k for c in batch for k in c.keys[:1] if k.endswith("-M")])
@@ -243,13 +269,55 @@ def gc(store: KVStore, policy: GcPolicy, *, dry_run: bool = False) -> dict[str, 
         "store": repr(unwrap(store)),
         "dry_run": dry_run,
         "chunks_deleted": len(victims),
-        "keys_deleted": sum(len(c.keys) for c in victims),
-        "bytes_freed": sum(c.bytes for c in victims),
+        "pointers_deleted": len(gone),
+        "keys_deleted": sum(len(c.keys) for c in victims) + len(gone),
+        "bytes_freed": sum(c.bytes for c in victims) + sum(s.pointers[k][0] for k in gone),
         "by_reason": dict(Counter(reasons.values())),
+        "pointers_by_reason": dict(Counter(gone.values())),
         "chunks_left": len(s.chunks) - len(victims),
+        "pointers_left": len(s.pointers) - len(gone),
         "bytes_left": left,
         "unknown_ages": sum(c.age_s is None for c in s.chunks.values()),
     }
+
+
+class _Dangling:
+    """The pointers of a scan whose chunk is gone: their chunks read once, when first needed (``get_many``)."""
+
+    def __init__(self, store: KVStore, s: Scan, grace_s: float) -> None:
+        self.store, self.scan, self.grace_s = store, s, grace_s
+        self._chunks: dict[str, str | None] | None = None  # pointer key -> the chunk it names (None: unreadable)
+
+    def add_to(self, gone: dict[str, str], reasons: dict[str, str]) -> int:
+        """Add to ``gone`` the pointers whose chunk goes (in ``reasons``) or has no manifest (a pointer younger than the
+        grace excepted: the listing may have missed its new chunk); returns their bytes."""
+        if self._chunks is None:
+            keys = list(self.scan.pointers)
+            self._chunks = {}
+            for i in range(0, len(keys), 200):
+                batch = keys[i : i + 200]
+                self._chunks.update(zip(batch, map(pointed_chunk, unwrap(self.store).get_many(batch))))
+        freed = 0
+        for key, chunk in self._chunks.items():
+            n, age = self.scan.pointers[key]
+            held = self.scan.chunks.get(chunk or "")
+            if key in gone or (held is not None and held.manifest is not None and chunk not in reasons):
+                continue
+            if chunk in reasons or age is None or age >= self.grace_s:
+                gone[key] = "dangling"
+                freed += n
+        return freed
+
+
+def pointed_chunk(value: bytes | None) -> str | None:
+    """The chunk a stored pointer names (a signed store's value read without its key), None when unreadable."""
+    if value is None:
+        return None
+    body = value[:-OVERHEAD] if len(value) >= OVERHEAD and value.endswith(TRAILER) else value
+    try:
+        return Pointer.from_bytes(body).chunk
+    except CacheGenFormatError:
+        return None
 
 
 def _gc_raw(store: KVStore, s: Scan, policy: GcPolicy, dry_run: bool) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from .placement import DecodePlacement
 from .reads import StreamReads
 from ..costs.probes import offered_samples
 from .runs import PrefillInto, copy_chunk, keys_before, prefill_text_runs
+from .tails import decode_borrowed, find_tail
 from .writer import StoreHealth
 
 log = logging.getLogger("cachegen_core.engine")
@@ -145,19 +146,9 @@ class ChunkReader:
     def lookup_partial(self, candidates: Sequence[Chunk], floor: Option, info: GenerationInfo,
                        options: Sequence[Option] | None = None) -> tuple[Chunk, Manifest] | None:  # fmt: skip
         """The longest of ``candidates`` (partial chunks, shortest first) stored in some option at least as
-        fine as ``floor``, and its manifest (one store request); None when none is."""
-        if not candidates:
-            return None
-        try:
-            raw = self.get_many([manifest_key(c.key) for c in candidates])
-        except StoreError as e:
-            self.trouble(info, f"store failure looking up a partial chunk: {e}")
-            return None
-        for c, data in reversed(list(zip(candidates, raw))):
-            manifest = self.usable_manifest(data, floor, options, info, f"the partial chunk of {c.num_tokens} tokens, ignored")
-            if manifest is not None:
-                return c, manifest
-        return None
+        fine as ``floor``, itself or as a longer one's first tokens found through a pointer (``tails.py``), and the
+        stored chunk's manifest (one store request; one more to follow pointers); None when none is."""
+        return find_tail(self, candidates, floor, info, options)
 
     def fetch(self, key: str, option: Option, reads: StreamReads | None = None, size: int = 0) -> Checked | RawChecked:
         """The blob of chunk ``key`` stored as ``option``, its checksums and header verified (in the stream's
@@ -271,7 +262,7 @@ class ChunkReader:
                 runs[-1].append(tail[0])
                 found.append(tail[1])
             for c, m in zip(runs[-1], found):
-                manifests[c.key] = m
+                manifests.setdefault(c.key, m)  # the owner's: a borrowed chunk's is its stored chunk's
                 owner.setdefault(c.key, (c, p))
         if not manifests:
             return [(0, 0)] * len(prompts)
@@ -283,8 +274,12 @@ class ChunkReader:
             return prompts[p][2].slice(c.start, c.end)
 
         def decode(blob: bytes, key: str, option: Option) -> KVCache:
-            kv = self.decode(blob, key, option, out=slot(key))
-            held[owner[key][1]].add(key)
+            c, p = owner[key]
+            if c.stored is c:
+                kv = self.decode(blob, key, option, out=slot(key))
+            else:  # a borrowed chunk (``tails.py``): a longer stored one's first tokens
+                kv = decode_borrowed(self, blob, c, option, prompts[p][2])  # type: ignore[arg-type]
+            held[p].add(key)
             return kv
 
         def on_text(key: str) -> KVCache:
@@ -353,13 +348,17 @@ class ChunkReader:
         (its records then are those before it)."""
         def cost(key: str) -> ChunkCost:
             sizes = {o: n for o, n in manifests[key].sizes.items() if o in controller.options}
-            return self.cost_model.chunk_cost(chunk_of(key).num_tokens, sizes, chunk_of(key).start)
+            c = chunk_of(key)
+            return self.cost_model.chunk_cost(c.num_tokens, sizes, c.start, decoded=c.stored.num_tokens)
+
+        def fetch(key: str, option: Option) -> Checked | RawChecked:  # a borrowed chunk's blobs are its stored chunk's
+            return self.fetch(chunk_of(key).stored.key, option, reads, manifests[key].sizes.get(option, 0))
 
         with self._buffers_lock:
             reads = StreamReads([self._read_buffers.pop() if self._read_buffers else bytearray() for _ in range(2)], self.arena)
         failure = None
         try:
-            records = stream_batch(requests, cost, fetch=lambda k, o: self.fetch(k, o, reads, manifests[k].sizes.get(o, 0)),
+            records = stream_batch(requests, cost, fetch=fetch,
                                    decode=decode, on_text=on_text, controller=controller, estimator=estimator,
                                    overlap=not getattr(self.store, "shares_values", False), missing=(BlobMissing,)).plan.records  # fmt: skip
         except StreamFailure as f:  # its buffers are not kept: a fetch the driver left running may still write into one
@@ -369,7 +368,7 @@ class ChunkReader:
                 self._read_buffers = sorted(self._read_buffers + [b for b in reads.buffers if len(b)], key=len)[-4:]
         if getattr(self.store, "shares_values", False):
             self._verified = reads.seen  # the last stream's blobs only: held by the store anyway, unless it evicted them since
-        samples = offered_samples(manifests, controller.options, chunk_of)
+        samples = offered_samples(manifests, controller.options, lambda k: chunk_of(k).stored)
         due = self.cost_model.after_stream(samples, {r.option for r in records}, text=controller.allow_text)
         if due and self.prober is not None:
             self.prober.after_stream(due, samples)

@@ -13,7 +13,8 @@ off the request's path). On a remote store the worker runs every queued chunk's 
 before any later stage. Each
 manifest goes after the blobs it names (see ``manifest.py``), so a reader never sees a
 partially written chunk. A partial chunk that a longer one superseded loses its raw forms
-(:meth:`ChunkWriter.supersede`), its manifest rewritten before they are deleted.
+(:meth:`ChunkWriter.supersede`), its manifest rewritten before they are deleted. A partial chunk's pointers
+(``keys/pointers.py``: from its shorter prefixes' keys) are written after its first manifest.
 
 From a GPU (``stage_raw``) a request waits for nothing: ``submit`` queues the copy of each raw form's payloads
 to pinned memory, asynchronously, straight where they will sit in the blob (``RawCodec.stage``), and
@@ -36,6 +37,7 @@ from ...codec.kvcodec import KVCodec
 from ...errors import CacheGenFormatError, StoreError
 from ...kv import KVCache, copy_pending, host_ready, to_host
 from ...keys.manifest import RAW_OPTIONS, Manifest, Option, manifest_key
+from ...keys.pointers import pointers
 from ...codec.raw import RawCodec, Staged
 from ...pinned import HostArena, host_arena
 from ...stores.base import KVStore
@@ -160,7 +162,19 @@ class ChunkWriter:
             self.health.failed(f"store write failed: {e}")
             raise
         self.health.recovered("writable")
+        if stage in (None, 0):
+            self.point(chunk)
         return manifest
+
+    def point(self, chunk: Chunk) -> None:
+        """Store the pointers to a partial chunk from its shorter prefixes (``keys/pointers.py``; none for another
+        chunk), once its manifest is there. A failure is logged (once while the store fails), never raised: the chunk
+        itself is stored, and its later stages still are."""
+        if entries := pointers(chunk):
+            try:
+                self.store.put_many(entries)
+            except StoreError as e:
+                self.health.failed(f"store write failed (pointers to a partial chunk): {e}")
 
     def _stored(self, chunk: Chunk) -> dict[Option, int]:
         """The options the chunk's manifest in the store names now ({} when none, or unreadable)."""
@@ -183,7 +197,9 @@ class ChunkWriter:
         and return False): it stays reusable, at a level's size and decode time. Its manifest is rewritten first,
         so a reader never asks for a deleted blob (one that read the old manifest just before gets a plain miss).
         The raw form of a partial chunk is the next turn's fast path, useless once a longer one extends it; kept,
-        it was ~3/4 of a chat's stored bytes (``docs/history/``)."""
+        it was ~3/4 of a chat's stored bytes (``docs/history/``). Pointers to it (``keys/pointers.py``) stay good: they
+        lead to its levels. A prefix a request took from a longer chunk through a pointer has no manifest of its own
+        (the longer chunk was not extended: the prompt branched off it), so nothing is dropped."""
         sizes = self._stored(chunk)
         levels = {o: n for o, n in sizes.items() if o not in RAW_OPTIONS}
         if len(levels) == len(sizes) or not any(rank(o) <= rank(floor) for o in levels):
@@ -240,6 +256,7 @@ class ChunkWriter:
         if getattr(self.store, "local", False) and not getattr(self.store, "shares_values", False):
             manifest = Manifest({**self._stored(chunk), **{o: len(b) for o, b in blobs.items()}})
             self.hot.put(chunk.key, {**{blob_key(chunk.key, o): b for o, b in blobs.items()}, manifest_key(chunk.key): manifest.to_bytes()})
+            self.hot.put(chunk.key, dict(pointers(chunk)))  # after its manifest, as in the store
         return blobs  # type: ignore[return-value]
 
     def _write_behind(self, chunk: Chunk, kv: KVCache, options: list[Option]) -> bool:
@@ -247,6 +264,7 @@ class ChunkWriter:
         blobs = {o: self.encode(chunk, kv, o) for o in options}
         manifest = Manifest({**self._stored(chunk), **{o: len(b) for o, b in blobs.items()}})
         self.hot.put(chunk.key, {**{blob_key(chunk.key, o): b for o, b in blobs.items()}, manifest_key(chunk.key): manifest.to_bytes()})
+        self.hot.put(chunk.key, dict(pointers(chunk)))  # after its manifest, as in the store
         if not self._worker.submit(chunk, kv, 0, None, blobs):
             self.hot.discard(chunk.key)
             return False

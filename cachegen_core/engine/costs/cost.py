@@ -161,11 +161,13 @@ class CostModel:
             return any(t >= self.reference_tokens // 2 for kept in self._points.values() for t, _, _ in kept)
 
     # ------------------------------------------------------------ planning and probing
-    def chunk_cost(self, tokens: int, sizes: Mapping[Option, int], position: int | None = None) -> ChunkCost:
+    def chunk_cost(self, tokens: int, sizes: Mapping[Option, int], position: int | None = None, decoded: int | None = None) -> ChunkCost:
         """The controller's view of one chunk stored at ``sizes`` (option -> blob bytes), at ``position`` in its prompt
-        (None: text priced at ``prefill_s_per_token``)."""
+        (None: text priced at ``prefill_s_per_token``); ``decoded``: the tokens its blobs hold, when more than its own
+        (a longer stored chunk's first tokens: ``chunks/tails.py``)."""
         text_s = self.prefill_seconds(tokens, position) if position is not None else None
-        return ChunkCost(dict(sizes), {o: self.decode_seconds(o, tokens, n) for o, n in sizes.items()}, tokens, text_s)
+        decode_s = {o: self.decode_seconds(o, decoded or tokens, n) for o, n in sizes.items()}
+        return ChunkCost(dict(sizes), decode_s, tokens, text_s)
 
     def after_stream(self, offered: Iterable[Option], used: Iterable[Option], *, text: bool = False) -> list[Option]:
         """A stream offered the stored ``offered`` (and ``text``, when allowed) and used ``used``: the options due a

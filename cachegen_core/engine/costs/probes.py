@@ -49,12 +49,14 @@ Sample = tuple[str, int, int]
 
 
 def offered_samples(manifests: Mapping[str, Any], options: Sequence[Option], chunk_of: Callable[[str], Any]) -> dict[Option, Sample]:
-    """Per stored option of ``options`` that some chunk's manifest names, the first such chunk (a probe's sample)."""
+    """Per stored option of ``options`` that some chunk's manifest names, the first such chunk (a probe's sample):
+    ``chunk_of`` gives the chunk a manifest's key names, the stored one (its key and tokens: ``Chunk.stored``)."""
     samples: dict[Option, Sample] = {}
     for key, manifest in manifests.items():
         for option, size in manifest.sizes.items():
             if option in options and option not in samples:
-                samples[option] = (key, chunk_of(key).num_tokens, size)
+                c = chunk_of(key)
+                samples[option] = (c.key, c.num_tokens, size)
     return samples
 
 
