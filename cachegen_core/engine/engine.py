@@ -28,7 +28,7 @@ from ..ops.metrics import EngineMetrics, MetricsRecorder, summarise
 from ..ops.progress import progress_bar
 from ..ops.settings import load as load_settings
 from ..ops.settings import resolve_store
-from ..stores.base import KVStore
+from ..stores.base import KVStore, fetches_on_cpu
 from ..codec.raw import RawCodec
 from ..keys.segments import SegmentedPrompt, tokenize_parts
 from ..streaming import RAW_OPTIONS, Option, make_estimator, rank
