@@ -22,7 +22,9 @@ on a context that was never stored). One row per (workload, new tokens, mode, us
 the user waits for it, queueing included) and total latency, ``mismatches`` (answers unlike the sequential run's),
 ``near_ties`` (of them, those whose first differing token followed a gap under ``NEAR_TIE`` between the sequential
 run's top two logits), ``errors``, ``lost``, and ``ceiling``: U decode steps of plain transformers on the workload's
-KV at once over one (``benchmarks/ceiling.py``), ``of_ceiling`` = speedup / ceiling.
+KV at once over one (``benchmarks/ceiling.py``), ``of_ceiling`` = speedup / ceiling. Last, a ``join`` row: 8 users
+decoding on their own short contexts while a cold prompt of ``--join`` tokens arrives: their decode step alone, the
+steps that also computed a piece of its prompt, and the most one of those held their next token up, in decode steps.
 """
 
 from __future__ import annotations
@@ -203,6 +205,37 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
                 out.emit(r)
 
 
+def join_row(engine: Any, tok: Any, texts: list[str], users: int, cold_tokens: int, new: int) -> dict[str, Any]:
+    """``users`` requests decoding on their own short contexts, then a cold one of ``cold_tokens`` tokens joining: how
+    long their steps took while its prompt was computed beside them, in decode steps (the scheduler's trace)."""
+    gen = {"max_new_tokens": new, "min_new_tokens": new}
+    run = workload_prompts(tok, texts, "own-short", users, 1)
+    mine = [mine[0] for mine in run.warm]
+    for p in mine:
+        engine.generate(p, max_new_tokens=1)
+    engine.flush()
+    ids = tok(" ".join(texts), add_special_tokens=False)["input_ids"]
+    cold = "A new session. " + tok.decode(ids[:cold_tokens]) + question(users, 0)
+    threads = [threading.Thread(target=engine.generate, args=(p,), kwargs=gen) for p in mine]
+    for t in threads:
+        t.start()
+    while not any(d == users and n == 0 for _, _, d, n in list(engine.scheduler.trace)[-3:]):
+        time.sleep(0.01)
+    time.sleep(0.5)  # a few steps of theirs alone
+    t0 = time.perf_counter()
+    _, info = engine.generate(cold, max_new_tokens=4)
+    first = t0 + info.ttft_s
+    for t in threads:
+        t.join()
+    trace = list(engine.scheduler.trace)
+    alone = [s for start, s, d, n in trace if d == users and n == 0 and start < t0]
+    joined = [s for start, s, d, n in trace if d >= users and n > 0 and t0 <= start <= first]
+    step = statistics.median(alone[-20:]) if alone else float("nan")
+    return {"join": "cold request beside decoding ones", "users": users, "cold_prompt_tokens": info.prompt_tokens, "cold_ttft_s": round(info.ttft_s, 3),
+            "decode_step_s": round(step, 4), "steps_with_pieces": len(joined), "max_step_s": round(max(joined, default=0.0), 4),
+            "max_delay_steps": round(max(joined, default=step) / step - 1, 2) if alone else None}  # fmt: skip
+
+
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     """Requests a minute and TTFT p95 against users, per workload (threads, the most new tokens)."""
     from benchmarks.plotting import line_panels  # noqa: PLC0415
@@ -227,6 +260,7 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--requests-per-user", type=int, default=2)
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip plain transformers' steps")
     ap.add_argument("--context-scale", type=float, default=1.0, help="scale every workload's context tokens (tests)")
+    ap.add_argument("--join", type=int, default=4096, metavar="TOKENS", help="then a cold prompt of TOKENS joining 8 decoding (0: not)")
     ap.add_argument("--plot", default=None, metavar="F.png")
     return ap
 
@@ -234,7 +268,7 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = arguments().parse_args(argv)
     if args.quick:
-        args.users, args.new_tokens, args.modes, args.workloads = [1, 2, 4], [8], ["threads"], ["shared", "mixed"]
+        args.users, args.new_tokens, args.modes, args.workloads, args.join = [1, 2, 4], [8], ["threads"], ["shared", "mixed"], 512
     if args.context_scale != 1.0:
         for k, (n, s, c) in list(WORKLOADS.items()):
             WORKLOADS[k] = (max(16, int(n * args.context_scale)), s, c)
@@ -256,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         ceilings: dict = {}
         for name in args.workloads:
             workload(engine, model, tok, texts, name, args, out, ceilings)
+        if args.join:
+            out.emit(join_row(engine, tok, texts, 8 if not args.quick else 2, args.join, 64 if not args.quick else 16))
         if args.plot:
             plot(out.rows, args.plot)
     return 0

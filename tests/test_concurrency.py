@@ -32,8 +32,10 @@ def own_cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_workload_answers_as_the_sequential_run_with_nothing_lost(tiny_model_dir, data, tmp_path, store):
     out = tmp_path / "c.jsonl"
     C.main(["--model", tiny_model_dir, "--data", data, "--store", store, "--users", "1", "2", "4", "--new-tokens", "6",
-            "--modes", "threads", "asyncio", "--context-scale", "0.05", "--out", str(out), "--plot", str(tmp_path / "c.png")])  # fmt: skip
+            "--modes", "threads", "asyncio", "--context-scale", "0.05", "--join", "200", "--out", str(out), "--plot", str(tmp_path / "c.png")])  # fmt: skip
     rows = [r for r in common.results(out) if "workload" in r]
+    join = [r for r in common.results(out) if "join" in r]
+    assert len(join) == 1 and join[0]["cold_prompt_tokens"] > 200 and join[0]["decode_step_s"] > 0
     assert {(r["workload"], r["mode"], r["users"]) for r in rows} == {
         (w, m, u) for w in C.WORKLOADS for m in ("threads", "asyncio") for u in (1, 2, 4)}
     for r in rows:

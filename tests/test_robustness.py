@@ -139,6 +139,12 @@ def test_eight_threads_on_redis(bench, redis_server):
     assert row["torn_reads"] == 0 and row["flushed"] is True and row["deadlocked_threads"] == 0
 
 
+def test_faults_under_load_leave_every_answer_right_and_fail_only_the_failing_request(bench, redis_bin):
+    row = R.scenario_batched_faults(bench, users=12)
+    assert_all_answered(row)  # every answer the no-fault run's or the plain model's; none lost, none crashed
+    assert row["failing_request_failed"] and row["recomputed"] > 0 and row["batched_steps"] > 0
+
+
 # ------------------------------------------------------------------ flush and exit
 class SlowStore(MemoryStore):
     """A memory store whose batch writes take ``delay`` seconds."""

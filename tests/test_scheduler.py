@@ -79,7 +79,7 @@ def test_a_request_joining_others_that_decode_answers_as_alone_and_so_do_they(ti
 def test_a_long_prompt_joining_is_computed_in_pieces_beside_the_decoding_requests(tiny_llama, tiny_tokenizer, monkeypatch):
     eng = _engine(tiny_llama, tiny_tokenizer)
     eng.scheduler.decode_s = 1e-3
-    monkeypatch.setattr(type(eng.cost_model), "prefill_s_per_token", property(lambda self: 1e-4))  # a piece: 10 tokens a step
+    eng.scheduler.prefill_seconds = lambda tokens, position: 1e-4 * tokens  # a piece: 10 tokens a step
     pieces: list[int] = []
     forward = eng.scheduler._forward
     monkeypatch.setattr(eng.scheduler, "_forward", lambda d, p: (pieces.extend(n for _, n in p if d), forward(d, p))[1])

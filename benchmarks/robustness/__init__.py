@@ -20,9 +20,11 @@ One line per scenario, with at least ``scenario``, ``inputs``, ``crashes``, ``ha
 The same functions back ``tests/test_robustness.py``, which asserts on their results. By what
 they attack: ``blobs`` (foreign, other-codec, corrupted and forged blobs), ``stores`` (redis
 killed, restarted, slow; diskcache full; a read-only directory), ``concurrency`` (threads on one
-engine), ``fuzzing`` (the decoders); ``bench`` and ``plumbing`` hold what they share.
+engine), ``batching`` (faults under load: the store killed and restarted, a forged blob and a failing request among
+16 users batched), ``fuzzing`` (the decoders); ``bench`` and ``plumbing`` hold what they share.
 """
 
+from benchmarks.robustness.batching import scenario_batched_faults
 from benchmarks.robustness.bench import CHUNK, HANG_S, NEW_TOKENS, Bench, Tally, WarningCounter, counting_warnings, prompt
 from benchmarks.robustness.blobs import corruptions, plant, scenario_corrupted_blob, scenario_foreign_blob, scenario_other_codec_blob
 from benchmarks.robustness.concurrency import scenario_concurrent
@@ -38,6 +40,7 @@ from benchmarks.robustness.stores import (
 )
 
 __all__ = [
+    "scenario_batched_faults",
     "CHUNK", "HANG_S", "NEW_TOKENS", "Bench", "DelayProxy", "HookedStore", "Tally", "WarningCounter", "corruptions",
     "counting_warnings", "plant", "prompt", "redis_server", "scenario_concurrent", "scenario_corrupted_blob",
     "scenario_diskcache_full", "scenario_foreign_blob", "scenario_fuzz", "scenario_libfuzzer", "scenario_other_codec_blob",

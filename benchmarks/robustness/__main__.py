@@ -25,6 +25,7 @@ ENGINE_SCENARIOS: dict[str, Callable[[R.Bench], dict[str, Any]]] = {
     "diskcache full": R.scenario_diskcache_full,
     "read-only cache dir": R.scenario_read_only_dir,
     "concurrent 8 threads": R.scenario_concurrent,
+    "batched faults": R.scenario_batched_faults,
 }
 
 

@@ -149,7 +149,7 @@ class KVEngine:
         if why is not None:
             log.warning("the model is on %s but chunks decode on the CPU: %s", model.device, why)
         cost = self.cost_model  # read at each use (never the engine: a dropped engine is freed at once)
-        self.scheduler = Scheduler(model, tokenizer, seconds_per_token=lambda: cost.prefill_s_per_token,
+        self.scheduler = Scheduler(model, tokenizer, prefill_seconds=lambda n, p: cost.prefill_seconds(n, p),
                                    observe_prefill=lambda *a: cost.observe_prefill(*a))  # fmt: skip
         layers, heads, head_dim = self.kv_geometry
         self.bytes_per_token = 2 * layers * heads * head_dim * hf.model_dtype(model).itemsize

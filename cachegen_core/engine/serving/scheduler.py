@@ -3,9 +3,9 @@
 Continuous batching (Orca, vLLM): requests join and leave between steps. Each step is one packed forward
 (``model/packed.py``) holding every decoding request's next token and, within a budget of tokens, pieces of the
 prompts still being computed (a joining request's uncached tail, a text chunk a stream recomputes, a document),
-first come first served. While requests decode, a piece is sized to take about one decode step (from the seconds per
-token the engine measured), so a joining request holds the others' next token up by about one step; with nothing
-decoding it takes up to :data:`MAX_PIECE` tokens. Each request picks its next token by its own
+first come first served. While requests decode, a piece is sized to take about one decode step (from the prefill's
+cost the engine measured, at the piece's place in its prompt: later tokens attend to more), so a joining request
+holds the others' next token up by about one step; with nothing decoding it takes up to :data:`MAX_PIECE` tokens. Each request picks its next token by its own
 :class:`~..model.decoding.Decoding` (greedy ones in one op); a request that ends (a stop, its length, its
 cancel event, an error) leaves at once, the others go on. A step that raises is run again request by request, so a
 failing request fails alone.
@@ -18,10 +18,12 @@ under continuous load. The thread starts when work arrives and ends when none is
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,21 +40,35 @@ log = logging.getLogger("cachegen_core.engine")
 MAX_PIECE = 4096
 #: Fewest prompt tokens a step gives a piece while requests decode.
 MIN_PIECE = 16
+#: Tokens the prefill's cost per token is read at (its fit, at the piece's position).
+PROBE = 64
 #: Most requests decoding together (a request past it waits for one to leave).
 MAX_BATCH = 256
+_SCHEDULERS: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """A scheduler still stepping while the interpreter finalises aborts the process (a torch op in a daemon thread):
+    let each finish the step in hand; requests still waiting are not served."""
+    for s in list(_SCHEDULERS):
+        s._closing = True
+        thread = s._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
 
 
 class Scheduler:
-    """Runs :class:`~.request.Job` s on ``model`` (see the module doc). ``seconds_per_token``: the measured prefill
-    cost (sizes the pieces); ``observe_prefill(tokens, position, seconds)``: fed every step that computed one piece
-    alone."""
+    """Runs :class:`~.request.Job` s on ``model`` (see the module doc). ``prefill_seconds(tokens, position)``: the
+    measured prefill cost (sizes the pieces); ``observe_prefill(tokens, position, seconds)``: fed every step that
+    computed one piece alone."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, turns: Turns = TURNS, seconds_per_token: Callable[[], float] | None = None,
+    def __init__(self, model: Any, tokenizer: Any, *, turns: Turns = TURNS, prefill_seconds: Callable[[int, int], float] | None = None,
                  observe_prefill: Callable[[int, int, float], None] | None = None, max_batch: int = MAX_BATCH) -> None:  # fmt: skip
         self.model, self.tokenizer, self.turns = model, tokenizer, turns
         self.windows = hf.cache_layers(model)
         self.why_not = packed.packs(model)  # None: requests are batched
-        self.seconds_per_token, self.observe_prefill, self.max_batch = seconds_per_token, observe_prefill, max_batch
+        self.prefill_seconds, self.observe_prefill, self.max_batch = prefill_seconds, observe_prefill, max_batch
         self.lock = threading.Lock()  # held for each step: model work outside steps takes it too
         self._cond = threading.Condition()
         self._new: deque[Job] = deque()
@@ -61,7 +77,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.steps = self.batched_steps = 0
         self.decode_s = 0.0  # last decode-only step's seconds
-        self.max_running = 0
+        self.trace: deque[tuple[float, float, int, int]] = deque(maxlen=4096)  # (start, seconds, decoding, prompt tokens)
+        self._closing = False  # the interpreter is exiting: step no more
+        _SCHEDULERS.add(self)
 
     # ------------------------------------------------------------ submitting work
     def submit(self, job: Job) -> Job:
@@ -109,7 +127,7 @@ class Scheduler:
                     self._cond.wait(timeout=0.05)
                 while self._new and len(self._running) < self.max_batch:
                     self._running.append(self._new.popleft())
-                if not self._running:
+                if not self._running or self._closing:
                     self._thread = None
                     return
                 jobs = list(self._running)
@@ -161,12 +179,12 @@ class Scheduler:
         if job.streamer is not None:
             job.streamer.end()
 
-    def _budget(self, decoding: int) -> int:
-        """Prompt tokens this step may compute."""
-        if not decoding or self.seconds_per_token is None:
-            return MAX_PIECE
-        per = max(self.seconds_per_token(), 1e-6)
-        return int(min(MAX_PIECE, max(MIN_PIECE, self.decode_s / per)))
+    def _piece(self, decoding: int, position: int, budget: int) -> int:
+        """Prompt tokens a piece at ``position`` may have: about one decode step's worth while requests decode."""
+        if not decoding or self.prefill_seconds is None:
+            return budget
+        per = max(self.prefill_seconds(PROBE, position) / PROBE, 1e-7)  # at its place: later tokens attend to more
+        return int(min(budget, max(MIN_PIECE, self.decode_s / per)))
 
     def _step(self, jobs: list[Job]) -> None:
         for j in jobs:
@@ -174,10 +192,10 @@ class Scheduler:
                 self._leave(j, "cancelled")
         jobs = [j for j in jobs if j.state is not State.FINISHED]
         decoding = [j for j in jobs if j.state is State.DECODING]
-        budget, pieces = self._budget(len(decoding)), []
+        budget, pieces = MAX_PIECE, []
         for j in jobs:
-            if j.state is State.PREFILLING and budget > 0:
-                n = min(j.pending, budget)
+            if j.state is State.PREFILLING and budget >= MIN_PIECE:
+                n = min(j.pending, self._piece(len(decoding), j.at + len(j.ids) - j.pending, budget))
                 pieces.append((j, n))
                 budget -= n
         if not decoding and not pieces:
@@ -196,6 +214,7 @@ class Scheduler:
                 self._alone([], [(j, n)])
             return
         seconds = time.perf_counter() - t
+        self.trace.append((t, seconds, len(decoding), sum(n for _, n in pieces)))
         self.steps += 1
         self.batched_steps += len(decoding) + len(pieces) > 1
         if decoding and not pieces:
