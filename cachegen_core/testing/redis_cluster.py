@@ -26,9 +26,15 @@ class ClusterNode(RedisServer):
 
     def __init__(self, binary: str, *, node_timeout_ms: int, **kwargs: Any) -> None:
         super().__init__(binary, **kwargs)
+        self.node_timeout_ms = node_timeout_ms
+        self.new_ports()
+
+    def new_ports(self) -> None:
+        """New free ports for the node and its cluster bus (before a first start)."""
+        super().new_ports()
         self.bus_port = free_port()
         self.extra_args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                           "--cluster-port", str(self.bus_port), "--cluster-node-timeout", str(node_timeout_ms),
+                           "--cluster-port", str(self.bus_port), "--cluster-node-timeout", str(self.node_timeout_ms),
                            "--cluster-replica-validity-factor", "0"]  # fmt: skip
         if self.tls:
             self.extra_args += ["--tls-cluster", "yes", "--tls-replication", "yes"]

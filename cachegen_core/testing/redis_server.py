@@ -60,6 +60,7 @@ class RedisServer:
         self.workdir = tempfile.mkdtemp(prefix="cachegen-redis-")
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started = False  # answered once: a restart keeps its port
 
     @property
     def url(self) -> str:
@@ -90,7 +91,21 @@ class RedisServer:
         return args + self.extra_args
 
     def start(self) -> None:
-        """Start (or restart on the same port) and wait until it answers PING."""
+        """Start (or restart on the same port) and wait until it answers PING. A first start whose port another process
+        took since it was picked (``free_port`` can only say it was free) tries new ports."""
+        for attempt in range(3):
+            try:
+                return self._start()
+            except RuntimeError as e:
+                if self.started or "Address already in use" not in str(e) or attempt == 2:
+                    raise
+                self.new_ports()
+
+    def new_ports(self) -> None:
+        """Pick new free ports (before a first start)."""
+        self.port = free_port()
+
+    def _start(self) -> None:
         import redis  # noqa: PLC0415
 
         if self.proc is not None and self.proc.poll() is None:
@@ -108,6 +123,7 @@ class RedisServer:
                     raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {out[-2000:]}")
                 try:
                     if probe.ping():
+                        self.started = True
                         return
                 except redis.RedisError:
                     pass
