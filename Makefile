@@ -49,7 +49,12 @@ fuzz-tools:
 	    && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq "libclang-rt-$$v-dev" >/dev/null 2>&1 || true; } \
 	  || echo "==> clang not installed: the libFuzzer test will be skipped"; }
 
+# ruff's lint and format check first (pyproject's [tool.ruff]): a `# noqa` or `# fmt: skip` means what it says
+LINTED := cachegen_core langchain_cachegen tests benchmarks examples
+
 test: install redis-server fuzz-tools
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
 	$(PY) -m cachegen_core.cli model prepare
 	$(PY) -m pytest -q
 

@@ -33,7 +33,9 @@ class _StaticKV(Cache):
         super().__init__(layers=[])
         self.keys, self.values = keys, values
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys, self.values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -45,12 +45,12 @@ def run(args: argparse.Namespace, rows: Rows) -> None:
         args.contexts, args.tokens = 1, args.chunk_tokens
     setup_threads()
 
-    from cachegen_core.codec.kvcodec import KVCodec
-    from cachegen_core.coders import default_coder, get_coder
-    from cachegen_core.codec.config import CodecConfig
-    from cachegen_core.keys.fingerprint import model_fingerprint
-    from cachegen_core.kv import KVCache
-    from cachegen_core.codec.profiles import find_profile
+    from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
+    from cachegen_core.coders import default_coder, get_coder  # noqa: PLC0415
+    from cachegen_core.codec.config import CodecConfig  # noqa: PLC0415
+    from cachegen_core.keys.fingerprint import model_fingerprint  # noqa: PLC0415
+    from cachegen_core.kv import KVCache  # noqa: PLC0415
+    from cachegen_core.codec.profiles import find_profile  # noqa: PLC0415
 
     model, tok = load(args.model)
     fp = model_fingerprint(model, tok)

@@ -66,9 +66,7 @@ def synthetic_7b(tokens: int = 1536, seed: int = 0) -> tuple[np.ndarray, StreamL
     return x, layout, bank(config.table_classes)
 
 
-def real_chunks(
-    model_name: str, level: int, tokens: int, data: str | Path | None = None
-) -> list[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
+def real_chunks(model_name: str, level: int, tokens: int, data: str | Path | None = None) -> list[tuple[str, np.ndarray, StreamLayout, np.ndarray]]:
     """The reference model's chunk coded with its profile and without one ([] if unavailable)."""
     try:
         from benchmarks.common import LONGCHAT, context_kv, load, transcript_ids, transcripts  # noqa: PLC0415
@@ -80,7 +78,7 @@ def real_chunks(
         fp = model_fingerprint(model, tok)
         ids = next(transcript_ids(tok, transcripts(data or LONGCHAT), tokens))
         kv = context_kv(model, ids)
-    except Exception as e:  # no model, no data: the synthetic chunk still runs
+    except Exception as e:  # noqa: BLE001  no model, no data: the synthetic chunk still runs
         print(f"# real chunk skipped: {type(e).__name__}: {e}", file=sys.stderr)
         return []
     config = CodecConfig()
@@ -142,7 +140,7 @@ def measure(data: str, symbols: np.ndarray, layout: StreamLayout, freqs: np.ndar
         line(coder.name, "decode", threads, t_dec, bps)
         if ref:  # the torchac comparison, on its very symbols
             s = symbols[: sub.n_symbols]
-            te, p = best_time(lambda c=coder: c.encode(s, sub, freqs), reps)
+            te, p = best_time(lambda c=coder, s=s: c.encode(s, sub, freqs), reps)
             td, _ = best_time(lambda c=coder, p=p: c.decode(p, sub, freqs), reps)
             sb = 8 * sum(map(len, p)) / sub.n_symbols
             for op, t in (("encode", te), ("decode", td)):
@@ -167,7 +165,7 @@ def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout,
 
         coder = get_decoder(NativeCoder.name, "cuda")
         gpu = coder.decode_symbols(payloads, layout, freqs)  # warm-up: JIT compile, tables to the GPU
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001
         print(f"# GPU decode unavailable: {type(e).__name__}: {e}", file=sys.stderr)
         return
     assert np.array_equal(gpu.cpu().numpy(), symbols), "GPU decode differs from the input"
@@ -197,6 +195,7 @@ def cuda_lines(payloads: list[bytes], symbols: np.ndarray, layout: StreamLayout,
     step, mean = torch.full((2, layers, heads, dim), 0.01), torch.zeros(2, layers, heads, dim)
     pos = torch.arange(tokens, dtype=torch.float32)[:, None] * 10000.0 ** (-torch.arange(dim // 2) / (dim // 2))
     cos_sin = (torch.cat([pos, pos], 1).cos().cuda(), torch.cat([pos, pos], 1).sin().cuda())
+
     def fused(payload: np.ndarray) -> tuple[float, float]:
         return timed(lambda: coder.decode_kv(payload, offsets, layout, freqs, heads=heads, head_dim=dim, min_symbol=1, step=step,
                                              mean=mean, cos_sin=cos_sin, keys=kv[0], values=kv[1], first_token=0))  # fmt: skip
@@ -257,8 +256,12 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--no-torchac", action="store_true", help="skip the torchac baseline")
     ap.add_argument("--torchac-symbols", type=int, default=None,
                     help="torchac (and native, for the comparison) on the leading substreams holding this many symbols")  # fmt: skip
-    ap.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                    help="cuda: the Triton GPU decoder's lines too (default: when torch sees a GPU); cpu: CPU coders only")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="cuda: the Triton GPU decoder's lines too (default: when torch sees a GPU); cpu: CPU coders only",
+    )
     ap.add_argument("--no-cuda", action="store_true", help="same as --device cpu")
     ap.add_argument("--cpu-threads", default=None, help="comma-separated CPU thread counts (default 1,2,all; '' for none)")
     ap.add_argument("--save-chunks", default=None, metavar="DIR", help="also save every chunk's coder inputs here")

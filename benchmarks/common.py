@@ -251,8 +251,8 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "cpu", dtype: torch.dtype 
     Its attention is the one ``KVEngine.from_pretrained`` gives the models it loads (``engine/model/attention.py``): every
     benchmark, baselines included, times what a user of ``from_pretrained`` or ``CacheGenLLM.from_model_id`` gets.
     """
-    from cachegen_core.engine.model.attention import use_gqa_attention
-    from cachegen_core.models import load_model
+    from cachegen_core.engine.model.attention import use_gqa_attention  # noqa: PLC0415
+    from cachegen_core.models import load_model  # noqa: PLC0415
 
     t = time.perf_counter()
     if is_shaped(model):
@@ -298,9 +298,8 @@ def shaped_model(spec: str, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
 @torch.no_grad()
 def context_kv(model: Any, ids: list[int]) -> Any:
     """Real KV cache of ``ids`` on ``model``."""
-    from cachegen_core.hfcompat import output_cache
-    from cachegen_core.kv import KVCache
+    from cachegen_core.hfcompat import output_cache  # noqa: PLC0415
+    from cachegen_core.kv import KVCache  # noqa: PLC0415
 
     out = model(torch.tensor([ids], device=model.device), use_cache=True)
     return KVCache.from_dynamic_cache(output_cache(out))
-

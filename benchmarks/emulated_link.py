@@ -85,7 +85,7 @@ class LinkStore:
     def close(self) -> None:
         self.store.close()
 
-    def __enter__(self) -> LinkStore:  # noqa: PYI034
+    def __enter__(self) -> LinkStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -108,8 +108,13 @@ def run(args: argparse.Namespace, out: Rows) -> None:
         running, still = (statistics.median(pairs[k]) for k in ("fit running", "fit paused"))
         out.emit({"summary": "fit running over fit paused", "ratio": round(running / still, 3), "pairs": args.paired,
                   "running_ttft_s": round(running, 4), "paused_ttft_s": round(still, 4)})  # fmt: skip
-    out.emit({"summary": "fit over no fit", "first": round(ttft["fit"][0] / ttft["no fit"][0], 3),
-              "next": round(statistics.median(ttft["fit"][1:] or ttft["fit"]) / statistics.median(ttft["no fit"][1:] or ttft["no fit"]), 3)})
+    out.emit(
+        {
+            "summary": "fit over no fit",
+            "first": round(ttft["fit"][0] / ttft["no fit"][0], 3),
+            "next": round(statistics.median(ttft["fit"][1:] or ttft["fit"]) / statistics.median(ttft["no fit"][1:] or ttft["no fit"]), 3),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -247,8 +247,11 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--no-task", action="store_true", help="skip the LongChat question")
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--profile", default=None, help="a profile file to code with, under the codec configuration it was fitted for "
-                    "(default: the model's, found as an engine finds it)")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="a profile file to code with, under the codec configuration it was fitted for (default: the model's, found as an engine finds it)",
+    )
     ap.add_argument("--zstd-level", type=int, default=19)
     ap.add_argument("--methods", nargs="+", default=None, help="only these methods (fp16, the reference, always runs)")
     ap.add_argument("--plot", default=None)

@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, out: Rows) -> None:
     for n, p in enumerate(picks):
         prompt = build(tok, [pool[i][0] for i in p])
         cont = pool[p[-1]][1]
-        ref_nll = ref_top = None
+        ref_top = None
         for key, eng in methods.items():
             if eng is None:  # full prefill: a fresh engine with nothing stored; the model's own KV
                 _, info = engine(MemoryStore(), None, partial_step=0).generate(prompt.ids, max_new_tokens=1)
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, out: Rows) -> None:
                 kv, _ = eng.prompt_kv(given)
             nll, top, _ = score(model, kv.slice(0, len(prompt) - 1), prompt[-1], cont)
             if ref_top is None:
-                ref_nll, ref_top = nll, top
+                ref_top = top
             t = tally[key]
             for name, value in (("ttft_s", info.ttft_s), ("cached_tokens", info.cached_tokens), ("nll", nll),
                                 ("agree", float((top == ref_top).float().mean())), ("context_tokens", len(prompt))):  # fmt: skip

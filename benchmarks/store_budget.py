@@ -105,8 +105,10 @@ def measure(model: Any, tok: Any, contexts: list[list[int]], question: list[int]
     codec_id, profile_id, weighted = user.codec.codec_id, user.codec.profile_id, user.codec.step_weights is not None
     print(f"# codec {codec_id}, profile {profile_id or 'none'}, step weights {weighted}", file=sys.stderr)
     # text off: each engine streams its one form (on a tiny model the controller may rightly prefer recomputing)
-    pinned = {f: KVEngine(model, tok, user.codec, MemoryStore(), level=f, store_options=[f], background=False, blend=None, allow_text=False)
-              for f in (RAW, LEVEL)}
+    pinned = {
+        f: KVEngine(model, tok, user.codec, MemoryStore(), level=f, store_options=[f], background=False, blend=None, allow_text=False)
+        for f in (RAW, LEVEL)
+    }
     for n, ids in enumerate(contexts):
         prompt = ids + question
         eng = pinned[RAW]

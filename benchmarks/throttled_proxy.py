@@ -115,7 +115,7 @@ class ThrottledProxy:
         self._conns: set[asyncio.Task[None]] = set()
         self._error: BaseException | None = None
 
-    def __enter__(self) -> ThrottledProxy:  # noqa: PYI034
+    def __enter__(self) -> ThrottledProxy:
         self.start()
         return self
 

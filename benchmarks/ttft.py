@@ -285,8 +285,13 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--tail-tokens", type=int, default=32, help="question tokens after the context, always prefilled")
     ap.add_argument("--slice-s", type=float, default=0.05, help="seconds per bandwidth sample")
-    ap.add_argument("--bandwidth-scale", type=float, nargs="+", default=[1.0],
-                    help="multiply every trace sample (e.g. 0.1 for a slow WAN); several values replay each on the same measurement")
+    ap.add_argument(
+        "--bandwidth-scale",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="multiply every trace sample (e.g. 0.1 for a slow WAN); several values replay each on the same measurement",
+    )
     ap.add_argument("--geometry", choices=["smollm2", "7b"], default="smollm2")
     ap.add_argument("--prefill-tokens-per-s", type=float, default=None, help="7b projection: prefill speed of the 7B model")
     ap.add_argument("--decode-s-per-chunk", type=float, default=None,
@@ -313,16 +318,27 @@ def run(args: argparse.Namespace, out: Rows) -> None:
     base_traces = [r["bw_gbps"] for r in read_jsonl(args.traces)]
     rows: list[dict[str, Any]] = []
     for ctx in args.context_tokens:
-        w = measure(args.model, ctx, args.chunk_tokens, args.tail_tokens, args.geometry, args.prefill_tokens_per_s, args.decode_s_per_chunk,
-                    data=args.data)
-        measured = ["blob sizes (reference model, scaled to the geometry)"] + ([] if args.decode_s_per_chunk else ["whole decode path (this machine)"])
+        w = measure(
+            args.model, ctx, args.chunk_tokens, args.tail_tokens, args.geometry, args.prefill_tokens_per_s, args.decode_s_per_chunk, data=args.data
+        )
+        measured = ["blob sizes (reference model, scaled to the geometry)"] + (
+            [] if args.decode_s_per_chunk else ["whole decode path (this machine)"]
+        )
         measured += [] if args.geometry == "7b" else ["prefill speed (this machine)"]
         given = (["prefill tokens/s (--prefill-tokens-per-s)"] if args.geometry == "7b" else []) + (
             ["decode seconds per chunk (--decode-s-per-chunk)"] if args.decode_s_per_chunk else [])  # fmt: skip
         levels = sorted(w.costs[0].sizes)
         text_time = simulate(w, Link([1.0], args.slice_s), "text", None, levels)["ttft_s"]
-        policies = ["fp16", "uniform8", "text", *[f"cachegen-fixed-{lv}" for lv in levels], "cachegen-adaptive", "cachegen-adaptive-last",
-                    "cachegen-adaptive-warm", "cachegen-adaptive-last-warm"]
+        policies = [
+            "fp16",
+            "uniform8",
+            "text",
+            *[f"cachegen-fixed-{lv}" for lv in levels],
+            "cachegen-adaptive",
+            "cachegen-adaptive-last",
+            "cachegen-adaptive-warm",
+            "cachegen-adaptive-last-warm",
+        ]
         quality = quality_of(Path(args.quality), ctx)
         for scale, (ti, trace) in itertools.product(args.bandwidth_scale, enumerate(base_traces)):
             link = Link([g * scale for g in trace], args.slice_s)

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         run(args, out)
 
 
-def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
+def run(args: argparse.Namespace, out: Rows) -> None:
     traces = [[g * args.bandwidth_scale for g in r["bw_gbps"]] for r in read_jsonl(args.traces)]
     factors = (0.5, 1.0, 2.0)
     if args.quick:
@@ -149,8 +149,9 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
     with running_redis_server() as server:
         url = server.url
         direct = RedisStore(url, namespace="ttft-live", same_host=False)  # the engine plans as for a remote server
-        writer = KVEngine.from_pretrained(args.model, store=direct, chunk_tokens=args.chunk_tokens, background=False,
-                                          store_options=list(range(5)))  # every level of the codec, no raw form
+        writer = KVEngine.from_pretrained(
+            args.model, store=direct, chunk_tokens=args.chunk_tokens, background=False, store_options=list(range(5))
+        )  # every level of the codec, no raw form
         if writer.codec.levels != list(range(5)):
             raise SystemExit(f"this benchmark stores levels 0-4; the codec has {writer.codec.levels}")
         tok = writer.tokenizer
@@ -173,8 +174,9 @@ def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
         blob_sizes = [{lv: len(direct.get(blob_key(k, lv)) or b"") for lv in levels} for k in keys]
 
         port = raw.connection_pool.connection_kwargs["port"]
-        reader = KVEngine(writer.model, tok, writer.codec, direct, chunk_tokens=args.chunk_tokens, background=False,
-                          store_options=levels)  # streams levels (or text): the paper's choice, no raw form
+        reader = KVEngine(
+            writer.model, tok, writer.codec, direct, chunk_tokens=args.chunk_tokens, background=False, store_options=levels
+        )  # streams levels (or text): the paper's choice, no raw form
         link: dict[str, Any] = {}
         dequant_s: list[float] = []
 

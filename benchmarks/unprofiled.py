@@ -77,8 +77,12 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--last", type=int, default=25, help="one past the last one")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096], help="tokens of each context (one run per length)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--variants", nargs="+", default=["identity", "weighted", "refined"],
-                    help="identity, weighted, refined, hadamard, name:s=SCALE (see the module doc)")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["identity", "weighted", "refined"],
+        help="identity, weighted, refined, hadamard, name:s=SCALE (see the module doc)",
+    )
     return ap
 
 
@@ -104,8 +108,10 @@ def variant_options(variant: str) -> tuple[str, dict[str, float]]:
     allowed = {"s"} | ({"c"} if name in ("weighted", "refined") else set()) | ({"p", "g", "l", "n"} if name == "refined" else set())
     numbers = all(x.replace(".", "", 1).isdigit() for _, _, x in pairs)
     if name not in ("identity", "weighted", "refined", "hadamard") or not {k for k, _, _ in pairs} <= allowed or not numbers:
-        raise SystemExit(f"unknown variant {variant!r}: identity, weighted, refined or hadamard, with optional :s=SCALE "
-                         "(weighted and refined also c=TOKENS; refined also p=POWER, g=GAIN, l=PROBE_LEVEL, n=PROBE_TOKENS)")
+        raise SystemExit(
+            f"unknown variant {variant!r}: identity, weighted, refined or hadamard, with optional :s=SCALE "
+            "(weighted and refined also c=TOKENS; refined also p=POWER, g=GAIN, l=PROBE_LEVEL, n=PROBE_TOKENS)"
+        )
     return name, {k: float(x) for k, _, x in pairs}
 
 
@@ -114,6 +120,7 @@ def run(args: argparse.Namespace, out: Rows) -> None:
     from cachegen_core.codec.fitting import fit_weights, weights_by_layer  # noqa: PLC0415
     from cachegen_core.codec.kvcodec import KVCodec  # noqa: PLC0415
     from cachegen_core.codec.rotary import RotarySpec  # noqa: PLC0415
+
     class Rotated(KVCodec):
         def _transform(self, layers: int, heads: int, dim: int) -> Any:
             seed = int.from_bytes(hashlib.blake2b(self.codec_id.encode(), digest_size=4).digest(), "little")
@@ -141,7 +148,9 @@ def run(args: argparse.Namespace, out: Rows) -> None:
             weights = measured("fit_weights", lambda **o: fit_weights(model, tok, config=CodecConfig(), rotary=rotary, **o), fit)
         if name == "refined":
             by = {LAYER_OPTIONS[k]: (int(x) if LAYER_OPTIONS[k] in INTEGERS else x) for k, x in opts.items() if k in LAYER_OPTIONS}
-            weights = measured("weights_by_layer", lambda w=weights, **o: weights_by_layer(model, tok, w, config=CodecConfig(), rotary=rotary, **o), by)
+            weights = measured(
+                "weights_by_layer", lambda w=weights, **o: weights_by_layer(model, tok, w, config=CodecConfig(), rotary=rotary, **o), by
+            )
         codec = (Rotated if name == "hadamard" else KVCodec)(CodecConfig(**kw), rotary=rotary, weights=weights)
         codecs[v] = (codec, name == "hadamard")
     records = read_jsonl(args.data)[args.first : args.last]
@@ -177,6 +186,7 @@ def measure(model: Any, tok: Any, records: list[dict[str, Any]], context: int, c
                   "transcripts": f"{args.first}-{args.last - 1}", "bits_per_element": round(8 * t.bytes / t.elements, 4),
                   "ppl_rel_delta": round(math.exp(t.nll / t.count) / ref_ppl - 1, 6), "top1_agreement": round(t.agree / t.count, 5),
                   "kl_mnat_per_token": round(1000 * t.kl / t.count, 4)})  # fmt: skip
+
 
 if __name__ == "__main__":
     main()

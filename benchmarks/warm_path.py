@@ -219,8 +219,9 @@ def rans_rate(engine: KVEngine, kv: KVCache) -> float:
 # ------------------------------------------------------------------ the run
 def arguments() -> argparse.ArgumentParser:
     ap = parser(__doc__, device=True, quick_help="one 3K context, one transcript, one rep a run (unless --reps says)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                    help="the model's dtype (default: as saved; bfloat16 for a shaped model)")
+    ap.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="the model's dtype (default: as saved; bfloat16 for a shaped model)"
+    )
     ap.add_argument("--contexts", type=int, nargs="+", default=[3072, 7680], help="context tokens (multiples of the chunk)")
     ap.add_argument("--transcripts", type=int, default=2, help=f"held-out transcripts ({HELD_OUT}, {HELD_OUT + 1}, ...) per context length")
     ap.add_argument("--stores", nargs="+", default=DEFAULT_STORES, choices=["memory", "disk", "redis", *LINKS, *EMULATED])
@@ -228,8 +229,13 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--runs", type=int, default=5, help="whole measurements, each with a fresh store and engines (default: %(default)s)")
     ap.add_argument("--chunk-tokens", type=int, default=1536)
     ap.add_argument("--miss-contexts", type=int, default=None, help="distinct contexts for the miss-path rows (0: none; default 4, 2 with --quick)")
-    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES,
-                    help="the policies timed (default: all; e.g. a longer A/B of a few, without text's long prefills)")
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=POLICIES,
+        choices=POLICIES,
+        help="the policies timed (default: all; e.g. a longer A/B of a few, without text's long prefills)",
+    )
     ap.add_argument("--plot", default=None, metavar="F.png", help="TTFT against context length, a panel per store (PNG)")
     return ap
 
@@ -240,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         run(args, out)
 
 
-def run(args: argparse.Namespace, out: Rows) -> None:  # noqa: PLR0915
+def run(args: argparse.Namespace, out: Rows) -> None:
     if args.quick:
         args.contexts, args.transcripts = [3072], 1
     if args.reps is None:
@@ -305,7 +311,7 @@ def _measure_store(args: Any, model: Any, tok: Any, contexts: list[Context], kin
             question_s = statistics.median(ctx.question_ttft() for _ in range(max(1, args.reps)))
             if "fp16-pinned" in args.policies and not ctx.host:
                 ctx.host = pinned_copy(ctx.kv)  # once per context (pinning 4 GB takes seconds), shared by the stores
-            wire = (lambda n: n / (link * 1e9 / 8)) if link else (lambda n: 0.0)  # noqa: E731
+            wire = (lambda n: n / (link * 1e9 / 8)) if link else (lambda n: 0.0)
             policies: dict[str, Callable[[], dict[str, Any]]] = {
                 "text": lambda ctx=ctx: {"ttft_s": ctx.text_ttft(), "bytes": 0, "decode_s": 0.0},
                 **{fmt: (lambda fmt=fmt, ctx=ctx, prefix=prefix: ctx.naive_ttft(store, fmt, prefix)) for fmt in NAIVE},

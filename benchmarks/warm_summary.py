@@ -9,8 +9,14 @@ from typing import Any
 from benchmarks.common import Rows
 from benchmarks.plotting import Panels, line_panels
 
-PLOTTED = {"text": "recompute", "fp16": "fp16", "uniform8": "uniform8", "cachegen-1": "level 1", "cachegen-4": "level 4",
-           "cachegen-auto": "cachegen-auto"}  # what a plot draws, and its legend
+PLOTTED = {
+    "text": "recompute",
+    "fp16": "fp16",
+    "uniform8": "uniform8",
+    "cachegen-1": "level 1",
+    "cachegen-4": "level 4",
+    "cachegen-auto": "cachegen-auto",
+}  # what a plot draws, and its legend
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:

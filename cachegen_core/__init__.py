@@ -44,6 +44,8 @@ _EXPORTS = {
     "BlobMissing": "errors",
     "StoreURLError": "errors",
     "BackendUnavailable": "errors",
+    "EngineBusy": "errors",
+    "TooLarge": "errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from .codec.kvcodec import KVCodec
     from .codec.config import CodecConfig
     from .engine import ChunkReader, ChunkWriter, CostModel, GenerationInfo, KVEngine
-    from .errors import BackendUnavailable, BlobMissing, CacheGenError, CacheGenFormatError, StoreError, StoreURLError
+    from .errors import BackendUnavailable, BlobMissing, CacheGenError, CacheGenFormatError, EngineBusy, StoreError, StoreURLError, TooLarge
     from .kv import KVCache
     from .keys.manifest import Manifest
     from .models import load_model

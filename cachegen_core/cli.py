@@ -223,8 +223,12 @@ def _register_profile(sub: "argparse._SubParsersAction[argparse.ArgumentParser]"
     p.add_argument("--last", type=int, default=2, help="one past the last record used")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per text")
     p.add_argument("--chunk-tokens", type=int, default=1536)
-    p.add_argument("--layer-power", type=float, default=0.0,
-                   help="scale each (kind, layer)'s step by its measured sensitivity to the power -P/2 (0: one step for all)")
+    p.add_argument(
+        "--layer-power",
+        type=float,
+        default=0.0,
+        help="scale each (kind, layer)'s step by its measured sensitivity to the power -P/2 (0: one step for all)",
+    )
     p.add_argument("--sensitivity-texts", type=int, default=1, help="texts the sensitivity is measured on (one forward pass per kind and layer each)")
     p.add_argument("--out", default=None, help="default: beside the model in the user cache, found by fingerprint")
     p.set_defaults(func=_profile)

@@ -47,3 +47,11 @@ class ModelNotCachedError(ModelNotFoundError):
 
 class ModelDownloadError(ModelNotFoundError):
     """A hub model is not in the local Hugging Face cache, and the hub could not be reached (network, server)."""
+
+
+class EngineBusy(CacheGenError, RuntimeError):
+    """The engine's queue of requests waiting for KV memory is full: try again later, or raise ``kv_queue``."""
+
+
+class TooLarge(CacheGenError, ValueError):
+    """A request's KV alone exceeds the engine's KV memory: shorten it, or raise ``kv_memory``."""

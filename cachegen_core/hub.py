@@ -192,7 +192,6 @@ def _first_line(e: BaseException) -> str:
 
 
 def _not_cached(repo_id: str, options: HubOptions) -> ModelNotCachedError:
-    from huggingface_hub import constants  # noqa: PLC0415
 
     why = "local_files_only=True" if options.local_files_only else "HF_HUB_OFFLINE is set"
     what = f"{options.gguf_file!r} of {repo_id!r}" if options.gguf_file else repr(repo_id)
@@ -244,8 +243,7 @@ def _plain_errors(repo_id: str, options: HubOptions) -> Iterator[None]:
         ) from None
     except RevisionNotFoundError:
         raise ModelNotFoundError(
-            f"{repo_id!r} has no revision {options.revision!r} on {_hub()}: pass a branch, tag or commit it has as "
-            "model_kwargs['revision']"
+            f"{repo_id!r} has no revision {options.revision!r} on {_hub()}: pass a branch, tag or commit it has as model_kwargs['revision']"
         ) from None
     except LocalEntryNotFoundError as e:  # before EntryNotFoundError: a subclass of it in huggingface_hub 0.x
         if options.offline:

@@ -204,8 +204,7 @@ class KVCache:
     def __post_init__(self) -> None:
         if self.keys.dim() != 4 or self.values.dim() != 4:
             raise KVShapeError(
-                f"keys and values must be 4-D (layers, kv_heads, tokens, head_dim); got {tuple(self.keys.shape)} "
-                f"and {tuple(self.values.shape)}"
+                f"keys and values must be 4-D (layers, kv_heads, tokens, head_dim); got {tuple(self.keys.shape)} and {tuple(self.values.shape)}"
             )
         if self.keys.shape != self.values.shape:
             raise KVShapeError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ in shape")

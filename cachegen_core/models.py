@@ -262,9 +262,7 @@ def _lock(path: Path, timeout: float) -> Iterator[bool]:
     try:
         lock.acquire(timeout=timeout)
     except Timeout as e:
-        raise ModelConversionError(
-            f"another process has held {path} for more than {timeout:.0f} s; if none is converting, delete that file"
-        ) from e
+        raise ModelConversionError(f"another process has held {path} for more than {timeout:.0f} s; if none is converting, delete that file") from e
     try:
         yield True
     finally:
@@ -291,7 +289,7 @@ def _convert_once(gguf: Path, target: Path) -> Path:
                 _convert(gguf, tmp)
             except CacheGenError:
                 raise
-            except Exception as e:  # noqa: BLE001  (transformers/gguf raise anything)
+            except Exception as e:  # transformers and gguf raise anything: one typed error says which file
                 raise ModelConversionError(f"could not convert {gguf}: {type(e).__name__}: {e}") from e
             _make_readable(tmp)
             try:

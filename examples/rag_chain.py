@@ -75,13 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
-    llm = ChatCacheGen.from_model_id(
-        args.model, store=make_store(args.store), chunk_tokens=args.chunk_tokens, max_tokens=args.max_new_tokens
-    )
+    llm = ChatCacheGen.from_model_id(args.model, store=make_store(args.store), chunk_tokens=args.chunk_tokens, max_tokens=args.max_new_tokens)
     profile = llm.engine.codec.profile
-    print(f"model {args.model} ready in {time.perf_counter() - t0:.1f} s; codec {llm.engine.codec.codec_id}, "
-          f"profile {f'{profile.id} ({profile.origin})' if profile else 'none'}, coder {getattr(llm.engine.codec.coder, 'name', 'none (raw KV only)')}",
-          file=sys.stderr)
+    print(
+        f"model {args.model} ready in {time.perf_counter() - t0:.1f} s; codec {llm.engine.codec.codec_id}, "
+        f"profile {f'{profile.id} ({profile.origin})' if profile else 'none'}, coder {getattr(llm.engine.codec.coder, 'name', 'none (raw KV only)')}",
+        file=sys.stderr,
+    )
     docs = load_documents(llm.engine.tokenizer, args.docs, args.doc_tokens, args.data)
     retriever = KeywordRetriever(documents=docs)
     question = "What did the user and the assistant discuss about " + docs[0].metadata["topic"].lower() + "?"
@@ -110,17 +110,34 @@ def main(argv: list[str] | None = None) -> None:
         llm.engine.flush()  # the cold run's chunks are stored in the background; wait before the warm run
         i = cb.info
         rows.append((run, i.get("prompt_tokens"), i.get("cached_tokens"), i.get("ttft_s"), total, answer.strip()))
-        print(json.dumps({"run": run, "prompt_tokens": i.get("prompt_tokens"), "cached_tokens": i.get("cached_tokens"),
-                          "ttft_s": round(i.get("ttft_s", 0), 3), "total_s": round(total, 3),
-                          "bytes_fetched": i.get("bytes_fetched"), "answer": answer.strip()[:120]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "run": run,
+                    "prompt_tokens": i.get("prompt_tokens"),
+                    "cached_tokens": i.get("cached_tokens"),
+                    "ttft_s": round(i.get("ttft_s", 0), 3),
+                    "total_s": round(total, 3),
+                    "bytes_fetched": i.get("bytes_fetched"),
+                    "answer": answer.strip()[:120],
+                }
+            ),
+            flush=True,
+        )
     cold, warm = rows
-    print(f"\n{'run':6} {'prompt':>7} {'cached':>7} {'TTFT s':>8}\n"
-          f"{'cold':6} {cold[1]:>7} {cold[2]:>7} {cold[3]:>8.2f}\n"
-          f"{'warm':6} {warm[1]:>7} {warm[2]:>7} {warm[3]:>8.2f}\n"
-          f"warm TTFT is {cold[3] / warm[3]:.1f}x faster than cold" if warm[3] else "")
+    print(
+        f"\n{'run':6} {'prompt':>7} {'cached':>7} {'TTFT s':>8}\n"
+        f"{'cold':6} {cold[1]:>7} {cold[2]:>7} {cold[3]:>8.2f}\n"
+        f"{'warm':6} {warm[1]:>7} {warm[2]:>7} {warm[3]:>8.2f}\n"
+        f"warm TTFT is {cold[3] / warm[3]:.1f}x faster than cold"
+        if warm[3]
+        else ""
+    )
     if cold[2]:  # the disk store persists in the user cache: an earlier run already stored these chunks
-        print(f"note: the first run was not cold: {cold[2]} tokens were already in the store from an earlier run "
-              f"(the default disk store lives in the user cache); `--store memory` starts from an empty store")
+        print(
+            f"note: the first run was not cold: {cold[2]} tokens were already in the store from an earlier run "
+            f"(the default disk store lives in the user cache); `--store memory` starts from an empty store"
+        )
 
 
 if __name__ == "__main__":

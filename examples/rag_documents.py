@@ -69,14 +69,14 @@ class BM25Retriever(BaseRetriever):
 
     @classmethod
     def from_documents(cls, docs: list[Document], k: int = 3) -> BM25Retriever:
-        import bm25s  # noqa: PLC0415 - the rag extra
+        import bm25s  # the rag extra
 
         index = bm25s.BM25()
         index.index(bm25s.tokenize([d.page_content for d in docs], show_progress=False), show_progress=False)
         return cls(docs=list(docs), index=index, k=k)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        import bm25s  # noqa: PLC0415
+        import bm25s
 
         found, _ = self.index.retrieve(bm25s.tokenize([query], show_progress=False), k=min(self.k, len(self.docs)), show_progress=False)
         return [self.docs[i] for i in found[0]]

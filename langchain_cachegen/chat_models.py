@@ -44,9 +44,7 @@ from .structured_output import Method, response_format_prompt, structured_output
 from .tool_calls import ParsedAnswer, ToolCallStreamer, forced_call_prefill, parse_tool_calls
 
 #: The keyword options of ``CacheGenLLM.from_model_id`` (engine and generation settings).
-_LOAD_OPTIONS = frozenset(
-    p.name for p in inspect.signature(CacheGenLLM.from_model_id).parameters.values() if p.kind is p.KEYWORD_ONLY
-)
+_LOAD_OPTIONS = frozenset(p.name for p in inspect.signature(CacheGenLLM.from_model_id).parameters.values() if p.kind is p.KEYWORD_ONLY)
 
 
 def normalize_tool_choice(tool_choice: str | bool | dict[str, Any] | None, names: Sequence[str]) -> str | dict[str, Any] | None:

@@ -101,4 +101,14 @@ def engine_prompt(engine: Any, prompt: str | Sequence[int]) -> str | Sequence[in
     return prompt
 
 
-__all__ = ["DOC_END", "DOC_START", "CachedDocuments", "cache_documents", "engine_prompt", "format_documents", "split_marked", "strip_markers", "tokenize_marked"]
+__all__ = [
+    "DOC_END",
+    "DOC_START",
+    "CachedDocuments",
+    "cache_documents",
+    "engine_prompt",
+    "format_documents",
+    "split_marked",
+    "strip_markers",
+    "tokenize_marked",
+]

@@ -27,6 +27,7 @@ FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 ACCEPTED = (*FIELDS, "max_new_tokens", "do_sample")
 _SAMPLING = ("temperature", "top_p", "top_k")
 
+
 class GenerationFields(BaseModel):
     """LangChain's generation parameters as a model's fields (``CacheGenLLM``'s, ``ChatCacheGen``'s): what they
     mean per call; ``None`` leaves the setting below them (a chat's LLM, then ``generation_kwargs``)."""
@@ -115,8 +116,10 @@ def check_generation_kwargs(kwargs: Mapping[str, Any], owner: str) -> None:
     unknown = sorted(set(kwargs) - names)
     if unknown:
         hints = {**_REFUSED, "max_tokens": "generation_kwargs takes transformers' names: max_new_tokens (or the max_tokens field)"}
-        text = "the settings of transformers' GenerationConfig and the arguments of generate() (max_new_tokens, do_sample, " \
-               "temperature, top_p, top_k, repetition_penalty, ...), and stop and seed"
+        text = (
+            "the settings of transformers' GenerationConfig and the arguments of generate() (max_new_tokens, do_sample, "
+            "temperature, top_p, top_k, repetition_penalty, ...), and stop and seed"
+        )
         raise unknown_keywords(f"{owner}'s generation_kwargs", unknown, sorted(names), hints, text)
     _check_values(dict(kwargs))
 
@@ -172,5 +175,14 @@ def to_transformers(defaults: Mapping[str, Any], call: Mapping[str, Any], owner:
     return out
 
 
-__all__ = ["ACCEPTED", "FIELDS", "GenerationFields", "check_generation_kwargs", "check_keywords", "layered", "refuse_unknown", "to_transformers",
-           "unknown_keywords"]
+__all__ = [
+    "ACCEPTED",
+    "FIELDS",
+    "GenerationFields",
+    "check_generation_kwargs",
+    "check_keywords",
+    "layered",
+    "refuse_unknown",
+    "to_transformers",
+    "unknown_keywords",
+]

@@ -210,7 +210,10 @@ class CacheGenLLM(GenerationFields, BaseLLM):
         except (TypeError, ValueError):  # the call itself reports a bad argument; tracing must not
             gen = self._engine_kwargs(stop, {})
         sampled = getattr(getattr(self.engine.model, "generation_config", None), "temperature", None) or 1.0
-        out: dict[str, Any] = {"ls_max_tokens": gen["max_new_tokens"], "ls_temperature": gen.get("temperature", sampled) if gen.get("do_sample") else 0.0}
+        out: dict[str, Any] = {
+            "ls_max_tokens": gen["max_new_tokens"],
+            "ls_temperature": gen.get("temperature", sampled) if gen.get("do_sample") else 0.0,
+        }
         if gen.get("stop"):
             out["ls_stop"] = list(gen["stop"])
         return out

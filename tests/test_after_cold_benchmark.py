@@ -25,7 +25,7 @@ def test_after_cold_rows(tmp_path):
     out = tmp_path / "fresh.jsonl"
     after_cold.main(["--model", SHAPE, "--data", str(data), "--contexts", "600", "--chunk-tokens", "256",
                        "--after-s", "2", "--out", str(out)])  # fmt: skip
-    rows = {r["policy"]: r for r in map(json.loads, open(out)) if "policy" in r}
+    rows = {r["policy"]: r for r in map(json.loads, out.read_text().splitlines()) if "policy" in r}
     after = rows["after-cold"]
     assert after["cached_tokens"] >= 512 and len(after["options"]) >= 2  # both complete chunks found, 2 s after the answer
     assert after["chunks_queued"] >= 2 and after["random_init"]

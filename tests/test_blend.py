@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from cachegen_core.engine.model import hf
-from cachegen_core.engine.documents.blend import BlendConfig, blend, blend_support, document_starts, forced_tokens, last_document_first, question_attention
+from cachegen_core.engine.documents.blend import (
+    BlendConfig,
+    blend,
+    blend_support,
+    document_starts,
+    forced_tokens,
+    last_document_first,
+    question_attention,
+)
 from cachegen_core.engine.model.rope import Rope, rope_of, shift_keys
 from cachegen_core.hfcompat import cache_arg
 from cachegen_core.kv import KVCache
@@ -81,7 +89,9 @@ def test_recomputing_every_token_reproduces_full_prefill_kv_and_first_token(tiny
     hf.prefill_into(tiny_llama, ids[end:], buf, end)
     with torch.no_grad():
         ref = tiny_llama(torch.tensor([ids])).logits[0, -1]
-        last = tiny_llama(torch.tensor([ids[-1:]]), **cache_arg(tiny_llama, buf.slice(0, LENGTH - 1).to_dynamic_cache(tiny_llama.config))).logits[0, -1]
+        last = tiny_llama(torch.tensor([ids[-1:]]), **cache_arg(tiny_llama, buf.slice(0, LENGTH - 1).to_dynamic_cache(tiny_llama.config))).logits[
+            0, -1
+        ]
     assert int(last.argmax()) == int(ref.argmax()) and torch.allclose(last, ref, atol=1e-3)
 
 

@@ -37,7 +37,8 @@ def test_every_workload_answers_as_the_sequential_run_with_nothing_lost(tiny_mod
     join = [r for r in common.results(out) if "join" in r]
     assert len(join) == 1 and join[0]["cold_prompt_tokens"] > 200 and join[0]["decode_step_s"] > 0
     assert {(r["workload"], r["mode"], r["users"]) for r in rows} == {
-        (w, m, u) for w in C.WORKLOADS for m in ("threads", "asyncio") for u in (1, 2, 4)}
+        (w, m, u) for w in C.WORKLOADS for m in ("threads", "asyncio") for u in (1, 2, 4)
+    }
     for r in rows:
         assert KEYS <= set(r)
         assert r["requests"] == 2 * r["users"] and r["lost"] == r["failed"] == r["errors"] == 0

@@ -155,7 +155,7 @@ def test_damage_found_later_degrades_to_recomputation(tmp_path, tiny_llama, tiny
     reader = threading.Thread(target=lambda: answers.append(e.generate(stored, max_new_tokens=4)))
     reader.start()  # a thread of its own: a connection of its own, which reads the damaged file
     reader.join()
-    (text, info), = answers
+    ((text, info),) = answers
     assert text == plain_greedy(tiny_llama, tiny_tokenizer, stored, 4) and info.cached_tokens == 0
     assert any("DiskCacheStore" in err and "not a database" in err for err in info.errors), info.errors
     text, info = e.generate(new, max_new_tokens=4)  # its chunks cannot be stored: answered all the same

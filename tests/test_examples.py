@@ -60,7 +60,7 @@ def test_a_typo_in_an_example_s_store_is_an_error_not_a_new_store(tmp_path, monk
 
 @pytest.mark.parametrize("index", [True, False])
 def test_rag_documents_reuses_passages_retrieved_in_other_orders(tiny_model_dir, tmp_path, monkeypatch, index):
-    from cachegen_core.testing import words  # noqa: PLC0415
+    from cachegen_core.testing import words
 
     # text off: the rows count passages reused from the store, and on the tiny model a stored piece and its prefill tie
     # (with the link measured slow, as after a fetch timed in a stall, pieces went as text and were not counted)
@@ -89,7 +89,7 @@ def test_rag_documents_reuses_passages_retrieved_in_other_orders(tiny_model_dir,
 
 
 def test_the_bm25_retriever_ranks_the_passage_holding_the_query_words_first():
-    from langchain_core.documents import Document  # noqa: PLC0415
+    from langchain_core.documents import Document
 
     texts = ["the cat sat on the mat", "art and society in the renaissance", "science and technology of rockets"]
     retriever = rag_documents.BM25Retriever.from_documents([Document(page_content=t, metadata={"id": i}) for i, t in enumerate(texts)], k=2)

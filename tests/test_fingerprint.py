@@ -14,8 +14,15 @@ from cachegen_core.keys.fingerprint import model_fingerprint, tokenizer_fingerpr
 
 
 def tiny_config(**over) -> LlamaConfig:
-    kw = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    kw = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    }
     return LlamaConfig(**{**kw, **over})
 
 
@@ -108,8 +115,15 @@ def test_meta_device_weights_do_not_crash(tok):
 
 def test_fast_on_a_135m_model(tok):
     """SmolLM2-135M's shapes (random init, no download): well under a second."""
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         m = LlamaForCausalLM(cfg)
     m = m.to_empty(device="cpu")  # real memory, arbitrary values: sampling cost is what is measured

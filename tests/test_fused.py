@@ -48,8 +48,11 @@ def kv_path_only(monkeypatch):
 
 
 @pytest.mark.parametrize("rotary", [False, True], ids=["keys-as-they-are", "rotary"])
-@pytest.mark.parametrize("config", [CodecConfig(), CodecConfig(sink_tokens=0), CodecConfig(sink_tokens=4, step_cap=2.0),
-                                    CodecConfig(stream_symbols=700)], ids=["default", "no-sink", "sink4-capped", "many-streams"])
+@pytest.mark.parametrize(
+    "config",
+    [CodecConfig(), CodecConfig(sink_tokens=0), CodecConfig(sink_tokens=4, step_cap=2.0), CodecConfig(stream_symbols=700)],
+    ids=["default", "no-sink", "sink4-capped", "many-streams"],
+)
 def test_bit_exact_with_the_torch_path_at_every_level(tiny_kv, tiny_llama, config, rotary, kv_path_only):
     codec = KVCodec(config, rotary=RotarySpec.from_model(tiny_llama) if rotary else None)
     for kv, start in ((tiny_kv, 0), (tiny_kv.slice(0, 1), 0), (tiny_kv.slice(3, 14), 3), (tiny_kv.slice(3, 14), 0)):

@@ -113,8 +113,20 @@ def test_torch_sum_order_is_torchs_bit_for_bit():
     """csrc/torch_sum.h adds in the order of torch's CPU reductions (the claim every identity above rests on)."""
     lib = native_lib.cpu_library()
     g = torch.Generator().manual_seed(3)
-    for outer, rows, cols in ((2, 1, 1), (2, 5, 7), (2, 6, 1), (3, 9, 1), (2, 3, 2), (2, 40, 7), (3, 300, 16), (2, 1000, 64), (2, 333, 48),
-                              (2, 4100, 96), (2, 70000, 8), (2, 2, 3)):
+    for outer, rows, cols in (
+        (2, 1, 1),
+        (2, 5, 7),
+        (2, 6, 1),
+        (3, 9, 1),
+        (2, 3, 2),
+        (2, 40, 7),
+        (3, 300, 16),
+        (2, 1000, 64),
+        (2, 333, 48),
+        (2, 4100, 96),
+        (2, 70000, 8),
+        (2, 2, 3),
+    ):
         x = (torch.randn(outer, rows, cols, generator=g) * 3 + 50).contiguous()
         col, inner = np.empty((outer, cols), np.float32), np.empty(outer, np.float32)
         assert lib.cg_torch_sums(x.data_ptr(), outer, rows, cols, col.ctypes.data, inner.ctypes.data) == 0

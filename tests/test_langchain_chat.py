@@ -75,7 +75,7 @@ def test_chat_wraps_the_llm_and_generates_from_rendered_token_ids(llm, monkeypat
     calls = _record_engine_calls(llm.engine, monkeypatch)
     messages = [SystemMessage(words(50, 20)), HumanMessage(words(51, 10))]
     reply = chat.invoke(messages)
-    (name, prompts, gen), = calls
+    ((name, prompts, gen),) = calls
     assert name == "generate_many" and prompts == [render_prompt(llm.engine.tokenizer, messages)]
     assert gen == {"max_new_tokens": 8}  # the LLM's generation kwargs, as no chat field overrides them
     assert reply.usage_metadata["output_tokens"] == reply.response_metadata["new_tokens"] <= 8
@@ -133,7 +133,11 @@ def test_chat_stop_sequences_are_honoured(llm):
 def test_chat_identifying_and_tracing_params(llm):
     chat = ChatCacheGen(llm=llm, max_tokens=5)
     assert chat._identifying_params == {**llm._identifying_params, "generation_kwargs": {"max_new_tokens": 5}}  # the real settings
-    assert ChatCacheGen(llm=llm, temperature=0.5)._identifying_params["generation_kwargs"] == {"max_new_tokens": 8, "do_sample": True, "temperature": 0.5}
+    assert ChatCacheGen(llm=llm, temperature=0.5)._identifying_params["generation_kwargs"] == {
+        "max_new_tokens": 8,
+        "do_sample": True,
+        "temperature": 0.5,
+    }
     assert chat._llm_type == "cachegen-chat"
     assert chat._get_ls_params()["ls_max_tokens"] == 5
     assert ChatCacheGen(llm=llm)._get_ls_params()["ls_max_tokens"] == 8  # the LLM's max_new_tokens

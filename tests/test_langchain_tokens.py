@@ -60,7 +60,10 @@ def test_counts_are_the_engines_tokens_and_nothing_is_fetched(chat, no_network):
     assert chat.get_num_tokens_from_messages(messages) == len(render_prompt(tok, messages))
     reply = chat.invoke(messages)
     assert chat.get_num_tokens_from_messages(messages) == reply.usage_metadata["input_tokens"]  # what the call is billed
-    assert llm.get_num_tokens_from_messages(messages) == llm.generate([llm._convert_input(messages).to_string()]).generations[0][0].generation_info["prompt_tokens"]
+    assert (
+        llm.get_num_tokens_from_messages(messages)
+        == llm.generate([llm._convert_input(messages).to_string()]).generations[0][0].generation_info["prompt_tokens"]
+    )
     assert chat.get_num_tokens_from_messages([]) == 0
 
 

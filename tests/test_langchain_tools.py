@@ -159,8 +159,9 @@ def test_tools_go_to_a_template_that_renders_them():
 def test_tool_calls_and_results_are_rendered_into_the_history(tiny_tokenizer):
     history = [
         HumanMessage("w9"),
-        AIMessage("w11", tool_calls=[{"name": "Add", "args": {"a": 1, "b": 2}, "id": "c1"},
-                                     {"name": "get_weather", "args": {"city": "Oslo"}, "id": "c2"}]),  # fmt: skip
+        AIMessage(
+            "w11", tool_calls=[{"name": "Add", "args": {"a": 1, "b": 2}, "id": "c1"}, {"name": "get_weather", "args": {"city": "Oslo"}, "id": "c2"}]
+        ),  # fmt: skip
         ToolMessage("w12", tool_call_id="c1"),
         ToolMessage([{"type": "text", "text": "w13"}], tool_call_id="c2"),
         AIMessage("", invalid_tool_calls=[{"name": "Add", "args": "{oops", "id": "c3", "error": "bad", "type": "invalid_tool_call"}]),

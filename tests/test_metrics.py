@@ -24,8 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def engine(tiny_llama, tiny_tokenizer):
     # text off: the tiny model's prefill ties with fetching, picked by timings (the counts below expect no text chunk)
-    return KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(namespace="m:"), chunk_tokens=CHUNK, background=False,
-                    allow_text=False)
+    return KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(namespace="m:"), chunk_tokens=CHUNK, background=False, allow_text=False)
 
 
 def test_metrics_add_up_the_requests(engine):

@@ -227,9 +227,9 @@ def test_the_in_place_sliding_layer_reads_as_transformers_own():
 def test_step_weights_are_measured_and_coded_with_on_every_family(name, tok):
     """What an engine without a profile measures at load (``fitting.fit_weights``): one Fisher draw, whatever the
     family's attention, rotary or sliding window; a level-1 request then reuses chunks coded with the weights."""
-    from cachegen_core.codec.fitting import fit_weights  # noqa: PLC0415
-    from cachegen_core.codec.rotary import RotarySpec  # noqa: PLC0415
-    from cachegen_core.codec.weights import check_weights  # noqa: PLC0415
+    from cachegen_core.codec.fitting import fit_weights
+    from cachegen_core.codec.rotary import RotarySpec
+    from cachegen_core.codec.weights import check_weights
 
     model = _model(name)
     w = fit_weights(model, tok, words(16, 300), rotary=RotarySpec.from_model(model), context=96, continuation=16)

@@ -306,7 +306,7 @@ def test_reference_model_converts_and_answers(tmp_path_factory: pytest.TempPathF
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         with torch.no_grad():
             out = model.generate(**ids, max_new_tokens=16, do_sample=False)
-        answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
         assert "Paris" in answer, answer
         print(f"converted in {convert_s:.1f} s, loaded in {load_s:.2f} s, answer: {answer!r}")
     finally:

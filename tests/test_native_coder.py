@@ -25,7 +25,6 @@ from cachegen_core.coders.reference import ReferenceCoder
 from cachegen_core.errors import CoderError
 
 
-
 def _in_ci() -> bool:
     """The rule of ``tests/redis_fixture.py``: ``CI`` set to anything but empty, 0, false or no."""
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")

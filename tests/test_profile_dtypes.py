@@ -41,7 +41,9 @@ def fitted(tiny_tokenizer) -> Profile:
 def engine(model, tokenizer, store=None, **kw) -> KVEngine:
     kw.setdefault("auto_profile", False)
     kw.setdefault("allow_text", False)  # tiny model: prefilling a chunk ties with fetching it
-    return KVEngine.from_pretrained(model, tokenizer=tokenizer, store=MemoryStore() if store is None else store, chunk_tokens=CHUNK, background=False, **kw)
+    return KVEngine.from_pretrained(
+        model, tokenizer=tokenizer, store=MemoryStore() if store is None else store, chunk_tokens=CHUNK, background=False, **kw
+    )
 
 
 def test_the_identity_is_the_models_in_every_dtype(tiny_tokenizer):

@@ -170,8 +170,14 @@ def test_forged_raw_headers_are_typed_errors_or_consistent(tiny_kv):
 
     rc = RawCodec("fp")
     blob = rc.encode(tiny_kv.slice(0, 6), "raw")
-    values = st.one_of(st.none(), st.booleans(), st.integers(-2, 1 << 40), st.text(max_size=8),
-                       st.lists(st.integers(-1, 70000), max_size=5), st.sampled_from(["float32", "float16", "bfloat16", "raw", "lossless"]))
+    values = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-2, 1 << 40),
+        st.text(max_size=8),
+        st.lists(st.integers(-1, 70000), max_size=5),
+        st.sampled_from(["float32", "float16", "bfloat16", "raw", "lossless"]),
+    )
 
     @settings(max_examples=300, deadline=None)
     @given(field=st.sampled_from(["codec", "option", "dtype", "shape", "model_fingerprint", "n_streams", "extra"]), value=values)
@@ -192,8 +198,11 @@ def test_manifests_from_the_store_parse_or_are_typed_errors():
 
     from cachegen_core.keys.manifest import Manifest
 
-    json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6)),
-                               lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=6), v, max_size=3), max_leaves=10)
+    json_values = st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6)),
+        lambda v: st.lists(v, max_size=3) | st.dictionaries(st.text(max_size=6), v, max_size=3),
+        max_leaves=10,
+    )
 
     @settings(max_examples=300, deadline=None)
     @given(options=st.dictionaries(st.text(max_size=9), json_values, max_size=5), raw=st.binary(max_size=64))

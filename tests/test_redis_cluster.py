@@ -4,7 +4,6 @@ joined by ``redis-cli --cluster create`` (``cachegen_core/testing/redis_cluster.
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -53,7 +52,7 @@ def test_every_store_operation_on_a_cluster(redis_cluster):  # noqa: F811
 
 
 def test_a_cluster_down_at_start_fails_typed_and_fast():
-    from cachegen_core.testing import free_port  # noqa: PLC0415
+    from cachegen_core.testing import free_port
 
     s = open_store(f"redis-cluster://127.0.0.1:{free_port()}")  # nobody there: made anyway, it connects on first use
     t = time.monotonic()

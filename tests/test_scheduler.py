@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cachegen_core.engine import KVEngine
-from cachegen_core.engine.serving.memory import EngineBusy, TooLarge
+from cachegen_core import EngineBusy, TooLarge
 from cachegen_core.engine.serving.turns import Turns
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import words

@@ -62,8 +62,10 @@ def test_a_layer_coded_finely_costs_nothing_and_coarsely_costs_kl(tiny_llama, ti
     assert fine_kl.shape == coarse_kl.shape == (2, tiny_kv.num_layers)
     assert (coarse_err > 1000 * fine_err).all() and coarse_kl.sum() > 1000 * fine_kl.abs().sum()
     # the error is the chunks' whitened squared error at that step
-    err = sum((dequantise(quantise(c, 0.5, fitted=True)) - c.values).square().sum((2, 3, 4))
-              for c in (components(tiny_kv.slice(s, s + 64), t, start=s, sink_tokens=1, rotary=spec) for s in range(0, tiny_kv.num_tokens, 64)))
+    err = sum(
+        (dequantise(quantise(c, 0.5, fitted=True)) - c.values).square().sum((2, 3, 4))
+        for c in (components(tiny_kv.slice(s, s + 64), t, start=s, sink_tokens=1, rotary=spec) for s in range(0, tiny_kv.num_tokens, 64))
+    )
     assert torch.allclose(coarse_err.float(), err, rtol=1e-3)
 
 

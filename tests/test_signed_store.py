@@ -96,8 +96,9 @@ def test_forged_blob_is_never_decoded_with_a_key(tiny_llama, tiny_tokenizer, how
 
     inner = MemoryStore()
     # the level alone stored: the chunks it stores are re-forged after each request (a raw form it stored, signed, would hit)
-    eng = KVEngine(tiny_llama, tiny_tokenizer, store=SignedStore(inner, KEY), chunk_tokens=CHUNK, background=False,
-                   level=1, store_options=[1], allow_text=False)  # fmt: skip  (on a tiny model text may be faster: it must fetch)
+    eng = KVEngine(
+        tiny_llama, tiny_tokenizer, store=SignedStore(inner, KEY), chunk_tokens=CHUNK, background=False, level=1, store_options=[1], allow_text=False
+    )  # fmt: skip  (on a tiny model text may be faster: it must fetch)
     planted = _plant_forged_chunks(eng, inner, prompt, how)
     decoded = _count_decodes(eng)
     with caplog.at_level(logging.WARNING):

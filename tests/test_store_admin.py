@@ -72,8 +72,9 @@ def test_raw_forms_belong_to_their_chunk(tmp_path, capsys, tiny_llama, tiny_toke
 def test_stats_and_gc_per_tier(tmp_path, capsys, tiny_llama, tiny_tokenizer):
     d = str(tmp_path / "kv")
     store = DiskCacheStore(d)
-    eng = KVEngine(tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=["raw", 1], background=False,
-                   allow_text=False)  # tiny model: text and fetching tie, picked by timings
+    eng = KVEngine(
+        tiny_llama, tiny_tokenizer, store=store, chunk_tokens=CHUNK, store_options=["raw", 1], background=False, allow_text=False
+    )  # tiny model: text and fetching tie, picked by timings
     prompt = words(4, 2 * CHUNK + 5)
     eng.generate(prompt, max_new_tokens=1)
     s = run_cli(capsys, "stats", d)

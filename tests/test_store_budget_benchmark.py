@@ -93,7 +93,7 @@ def test_the_script_runs_end_to_end_on_a_shaped_model(tiny_model_dir, tmp_path, 
                        "--measure", "2", "--lengths", "1600", "2400", "--contexts", "5", "--requests", "12", "--chats", "2", "--turns", "3", "--docs", "5",
                        "--budgets", "0.25", "1.0", "--reps", "1", "--scale", "1", "--tmp", str(tmp_path),
                        "--out", str(out), "--plot", str(png)])  # fmt: skip
-    rows = [json.loads(line) for line in open(out)]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows[0]["row"] == "meta" and rows[0]["cores"] and rows[1]["kind"] == "costs"
     # coded as a user's engine codes this model (no profile anywhere): steps weighted by its measured sensitivity
     assert rows[1]["profile"] is None and rows[1]["step_weights"] is True and rows[1]["codec"].startswith("cachegen-v3-")
@@ -108,5 +108,5 @@ def test_the_script_runs_end_to_end_on_a_shaped_model(tiny_model_dir, tmp_path, 
                        "--costs", str(out), "--lengths", "1600", "2400", "--contexts", "5", "--requests", "12", "--chats", "2",
                        "--turns", "3", "--docs", "5", "--budgets", "0.25", "1.0", "--scale", "1", "--tmp", str(tmp_path),
                        "--out", str(again)])  # fmt: skip
-    assert [r for r in map(json.loads, open(again)) if "policy" in r] == table
+    assert [r for r in map(json.loads, again.read_text().splitlines()) if "policy" in r] == table
     assert {a % CHUNK for a, _, _ in rows[1]["prefill"]} >= {0}  # measured with whole chunks reused (and partial chunks)

@@ -396,7 +396,7 @@ def test_disk_read_only_directory_fails_typed(tmp_path):
         assert not any(v[0] == "other" for k, v in out.items() if k != "dir"), out
         assert time.monotonic() - t0 < 30
     finally:
-        for root, dirs, files in os.walk(out["dir"]):
+        for root, _, _ in os.walk(out["dir"]):
             os.chmod(root, stat.S_IRWXU)
         shutil.rmtree(out["dir"], ignore_errors=True)
 
@@ -557,8 +557,7 @@ def test_redis_glob_characters_in_namespace_and_prefix(redis_server):
 def test_redis_kwargs_pass_through():
     s = RedisStore(host="10.255.255.1", port=6390, db=3, socket_timeout=7.0, client_name="cachegen-test")
     kw = s.client.connection_pool.connection_kwargs
-    assert (kw["host"], kw["port"], kw["db"], kw["socket_timeout"], kw["client_name"]) == (
-        "10.255.255.1", 6390, 3, 7.0, "cachegen-test")
+    assert (kw["host"], kw["port"], kw["db"], kw["socket_timeout"], kw["client_name"]) == ("10.255.255.1", 6390, 3, 7.0, "cachegen-test")
     assert "10.255.255.1:6390/3" in repr(s)
     u = RedisStore("redis://user:pw@example.invalid:6391/2", socket_connect_timeout=0.1)
     kw = u.client.connection_pool.connection_kwargs

@@ -46,7 +46,7 @@ def test_keys_belong_to_tiers_and_chunks():
 
 
 def test_an_eviction_plan_takes_raw_forms_over_their_share_then_whole_chunks():
-    from cachegen_core.stores.tiers import eviction_plan  # noqa: PLC0415
+    from cachegen_core.stores.tiers import eviction_plan
 
     raw = [(h(1) + "-Lraw", 30), (h(2) + "-Lraw", 30)]  # least recently used first
     units = [(h(1), [(h(1) + "-L1", 10), (h(1) + "-M", 1)]), (h(2), [(h(2) + "-M", 1), (h(2) + "-L1", 10)])]
@@ -161,7 +161,7 @@ def test_a_chunk_whose_raw_form_was_evicted_is_a_hit_at_its_level(kind, tmp_path
 
 
 def test_redis_tiers_are_expiries_from_the_last_use(redis_server):
-    from cachegen_core.stores import RedisStore  # noqa: PLC0415
+    from cachegen_core.stores import RedisStore
 
     redis_server.flushall()
     s = RedisStore(redis_server.url, namespace="ttl:", ttl_s=100, raw_ttl_s=2)
@@ -170,7 +170,7 @@ def test_redis_tiers_are_expiries_from_the_last_use(redis_server):
     c = s.client
     assert 1000 < c.pttl("ttl:" + h(1) + "-Lraw") <= 2000 and 99_000 < c.pttl("ttl:" + h(1) + "-M") <= 100_000
     assert RedisStore(redis_server.url, ttl_s=1).raw_ttl_ms == 1000  # raw forms never outlive the rest
-    import time  # noqa: PLC0415
+    import time
 
     time.sleep(1.2)
     assert s.get(h(1) + "-Lraw") == b"r"  # a use: its expiry counts from now again
@@ -183,7 +183,7 @@ def test_redis_tiers_are_expiries_from_the_last_use(redis_server):
 
 
 def test_a_redis_user_that_may_only_read_still_reads(fresh_redis_server, caplog):
-    from cachegen_core.stores import RedisStore  # noqa: PLC0415
+    from cachegen_core.stores import RedisStore
 
     admin = fresh_redis_server.client()
     admin.execute_command("ACL", "SETUSER", "reader", "on", ">pw", "~*", "+@read", "+multi", "+exec")

@@ -153,8 +153,7 @@ def test_the_magnitude_bound_uses_the_cached_abs_matrices_and_matches_float64():
     coded = quantise(comp, 0.2, fitted=True, step_cap=0.0)
     got = magnitude_bound(tf, coded.mean, coded.step, coded.exact, None)
     grouped = tf.synthesis.shape[:4]
-    body = coded.mean.double().abs().reshape(grouped) + 128 * (
-        tf.synthesis.double().abs() @ coded.step.double().reshape(grouped)[..., None])[..., 0]
+    body = coded.mean.double().abs().reshape(grouped) + 128 * (tf.synthesis.double().abs() @ coded.step.double().reshape(grouped)[..., None])[..., 0]
     want = max(body.amax().item(), coded.exact.double().abs().amax().item())
     assert abs(got - want) <= 2e-5 * want
     keys, values = synthesise(dequantise(coded), coded.mean, coded.exact, tf, start=0, encoded_start=0, rotary=None)

@@ -106,7 +106,9 @@ def _verdict(decode):
 
 
 def _same(a, b) -> bool:
-    return (isinstance(a, CoderError) and isinstance(b, CoderError)) or (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b))
+    return (isinstance(a, CoderError) and isinstance(b, CoderError)) or (
+        isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- symbols
@@ -226,7 +228,11 @@ def test_kv_with_a_profile_at_every_level(on_gpu, in_bounds, tiny_llama, tiny_kv
                 if tf is None or on_gpu.device.type == "cpu":
                     assert torch.equal(g, w)
                 else:
-                    ulp = torch.finfo(dtype).eps * w.float().abs().amax(dim=-1, keepdim=True) if dtype == torch.float32 else torch.finfo(dtype).eps * w.float().abs()
+                    ulp = (
+                        torch.finfo(dtype).eps * w.float().abs().amax(dim=-1, keepdim=True)
+                        if dtype == torch.float32
+                        else torch.finfo(dtype).eps * w.float().abs()
+                    )
                     assert ((g.float() - w.float()).abs() <= ulp * (8 if dtype == torch.float32 else 1)).all()
 
 

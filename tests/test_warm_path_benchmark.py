@@ -36,7 +36,7 @@ def test_warm_path_rows_of_a_shaped_model_are_labelled_timing_only(tmp_path):
     out = tmp_path / "warm.jsonl"
     warm_path.main(["--model", SHAPE, "--data", str(data), "--contexts", "512", "--chunk-tokens", "256", "--stores", "memory",
                     "--transcripts", "1", "--reps", "1", "--runs", "1", "--miss-contexts", "0", "--out", str(out)])  # fmt: skip
-    rows = [json.loads(line) for line in open(out)]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     policies = {r["policy"]: r for r in rows if "policy" in r}
     assert {"text", "fp16", "uniform8", "cachegen-auto"} <= set(policies)
     assert all(r["random_init"] and r["model"] == SHAPE and r["dtype"] == "bfloat16" for r in policies.values())
@@ -51,7 +51,7 @@ def test_warm_path_times_only_the_policies_asked(tmp_path):
     warm_path.main(["--model", SHAPE, "--data", str(data), "--contexts", "512", "--chunk-tokens", "256", "--stores", "memory",
                     "--transcripts", "1", "--reps", "1", "--runs", "2", "--miss-contexts", "0", "--policies", "fp16", "cachegen-auto",
                     "cachegen-1", "--out", str(out), "--plot", str(tmp_path / "warm.png")])  # fmt: skip
-    rows = [json.loads(line) for line in open(out)]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["policy"], r["run"]) for r in rows if "policy" in r] == [(p, run) for run in (0, 1) for p in ("fp16", "cachegen-auto", "cachegen-1")]
     assert (tmp_path / "warm.png").read_bytes().startswith(b"\x89PNG")  # the rows it timed, drawn
     assert [r["options"] for r in rows if r.get("policy") == "cachegen-1"] == [[[1, 1]]] * 2  # pinned to its level, each run
@@ -74,7 +74,7 @@ def test_warm_path_over_an_emulated_link_with_the_pinned_floor_and_the_raw_engin
     warm_path.main(["--model", SHAPE, "--data", str(data), "--contexts", "512", "--chunk-tokens", "256", "--stores",
                     "emulated@100gbps", "--transcripts", "1", "--reps", "1", "--runs", "1", "--miss-contexts", "0", "--policies", "fp16-pinned",
                     "cachegen-raw", "cachegen-auto", "--out", str(out)])  # fmt: skip
-    rows = {r["policy"]: r for r in map(json.loads, open(out)) if "policy" in r}
+    rows = {r["policy"]: r for r in map(json.loads, out.read_text().splitlines()) if "policy" in r}
     assert set(rows) == {"fp16-pinned", "cachegen-raw", "cachegen-auto"}
     assert all(r["store"] == "emulated@100gbps" and r["link_gbps"] == 100.0 for r in rows.values())
     assert rows["fp16-pinned"]["bytes"] == 2 * 2 * 2 * 2 * 16 * 512  # the context's bf16 KV, copied whole

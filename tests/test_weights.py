@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from cachegen_core.codec.profile import Profile
 from cachegen_core.codec.rotary import RotarySpec
 from cachegen_core.codec.weights import SPREAD, check_weights, step_weights
 from cachegen_core.engine import KVEngine
-from cachegen_core.kv import KVCache, KVShapeError
+from cachegen_core.kv import KVShapeError
 from cachegen_core.stores import MemoryStore
 from cachegen_core.testing import words
 

@@ -18,7 +18,7 @@ def configurations() -> list[tuple[str, dict[str, str], dict[str, object]]]:
     """(kernel, pointer and scalar types, constexprs) as ``TritonDecoder._run`` launches them (its default streams
     per program; the 256-symbol alphabet; every head-dim case of the rotary pairing; float32, float16 and
     bfloat16 outputs, the components' float32 without the mean)."""
-    from cachegen_core.coders.triton_decoder import _gpu_streams, kv_meta  # noqa: PLC0415
+    from cachegen_core.coders.triton_decoder import _gpu_streams, kv_meta
 
     base = {"S": _gpu_streams(), "STEPS": 8, "POW2": True}
     out = [("decode_symbols_kernel", {**COMMON, "out": "*u8"}, base)]
@@ -30,12 +30,12 @@ def configurations() -> list[tuple[str, dict[str, str], dict[str, object]]]:
 
 
 def main() -> int:
-    import triton  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.compiler import ASTSource  # noqa: PLC0415
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
-    from cachegen_core.coders import triton_kernels  # noqa: PLC0415
-    from cachegen_core.coders.triton_decoder import gpu_options  # noqa: PLC0415
+    from cachegen_core.coders import triton_kernels
+    from cachegen_core.coders.triton_decoder import gpu_options
 
     if "constexprs" not in inspect.signature(ASTSource).parameters:
         print(f"SKIP: Triton {triton.__version__}'s ASTSource takes no constexprs")
@@ -46,7 +46,7 @@ def main() -> int:
         src = ASTSource(fn=fn, signature=signature, constexprs=consts)
         try:
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=gpu_options(int(consts["S"])))  # type: ignore[call-overload]
-        except Exception as e:  # the compiler's own error types vary across Triton versions
+        except Exception as e:  # noqa: BLE001  the compiler's own error types vary across Triton versions
             print(f"FAIL {name} {consts}: {type(e).__name__}: {e}")
             return 1
         print(f"ok {name} {consts} cubin={len(kernel.asm['cubin'])}")

@@ -54,7 +54,7 @@ def scenario_batched_faults(bench: Bench, users: int = 16) -> dict[str, Any]:
         stormy = _run(eng, texts, extra=(texts[0], {"stopping_criteria": [_Breaks(len(failing))]}))
         restarted.wait(HANG_S)
         eng.store = store
-        for (t, text, info, error), (_, before, _, _) in zip(stormy[: len(texts)], calm):
+        for (t, text, _, error), (_, before, _, _) in zip(stormy[: len(texts)], calm):
             tally.requests += 1
             if error is not None:
                 tally.crashes += 1

@@ -110,7 +110,7 @@ class Tally:
         t = time.perf_counter()
         try:
             out, info = engine.generate(text, max_new_tokens=NEW_TOKENS)
-        except Exception as e:  # a crash: the request got no answer
+        except Exception as e:  # noqa: BLE001  a crash: the request got no answer
             self.crashes += 1
             self.errors.append(f"{type(e).__name__}: {e}"[:300])
             return None

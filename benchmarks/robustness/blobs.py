@@ -62,6 +62,7 @@ def scenario_other_codec_blob(bench: Bench, n: int = 3) -> dict[str, Any]:
 def corruptions(engine: KVEngine, rng: random.Random) -> list[tuple[str, Callable[[int, bytes], bytes]]]:
     """Ways to spoil a stored blob: byte damage, truncation, garbage, and forged well-formed blobs
     of this very model and codec (valid CRCs) with the wrong shape, tokens or non-finite values."""
+
     def flip(_: int, b: bytes) -> bytes:
         x = bytearray(b)
         x[rng.randrange(len(x))] ^= 1 << rng.randrange(8)

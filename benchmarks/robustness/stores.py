@@ -192,7 +192,7 @@ def scenario_read_only_dir(bench: Bench | None = None) -> dict[str, Any]:
                 "answered": 0, "requests": 0, "errors": [proc.stderr[-1500:]]}  # fmt: skip
     row = json.loads(lines[-1])
     d = row.pop("dir")
-    for root, dirs, files in os.walk(d):
+    for root, _, _ in os.walk(d):
         os.chmod(root, 0o755)
     import shutil  # noqa: PLC0415
 

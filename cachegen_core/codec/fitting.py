@@ -218,8 +218,16 @@ def _weights_text(tokenizer: Any, text: str | None, config: CodecConfig, context
     return ids, n
 
 
-def _sensitive_layers(model: Any, ids: list[list[int]], caches: list[KVCache], transform: Transform, config: CodecConfig,
-                      plan: FitPlan, rotary: RotarySpec | None, guard: Callable[[], ContextManager[Any]]) -> Transform:
+def _sensitive_layers(
+    model: Any,
+    ids: list[list[int]],
+    caches: list[KVCache],
+    transform: Transform,
+    config: CodecConfig,
+    plan: FitPlan,
+    rotary: RotarySpec | None,
+    guard: Callable[[], ContextManager[Any]],
+) -> Transform:
     """``transform`` with each (kind, layer) scaled by its measured sensitivity (``sensitivity.py``), measured on the
     first ``plan.sensitivity_texts`` texts long enough for a context of ``plan.contexts[0]`` tokens and its continuation."""
     kl = err = None

@@ -125,8 +125,7 @@ def _read_header(mv: memoryview, limits: Limits) -> tuple[dict[str, Any], int]:
         raise CacheGenFormatError(f"bad magic {bytes(magic)!r}: not a CacheGen blob")
     if version in _OLD_VERSIONS:
         raise CacheGenFormatError(
-            f"blob is format version {version}, {_OLD_VERSIONS[version]}; this build reads version {VERSION} only: "
-            "re-encode the context"
+            f"blob is format version {version}, {_OLD_VERSIONS[version]}; this build reads version {VERSION} only: re-encode the context"
         )
     if version != VERSION:
         raise CacheGenFormatError(f"unsupported format version {version} (this build reads version {VERSION})")
@@ -174,11 +173,7 @@ def unpack(blob: bytes | memoryview, limits: Limits = Limits(), *, views: bool =
         if not isinstance(s, dict) or not isinstance(s.get("name"), str) or not isinstance(s.get("dtype"), str) or s["dtype"] not in SECTION_DTYPES:
             raise CacheGenFormatError(f"bad section descriptor {s!r}")
         shape = s.get("shape")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > 8
-            or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape)
-        ):
+        if not isinstance(shape, list) or len(shape) > 8 or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
             raise CacheGenFormatError(f"section {s['name']!r}: bad shape {shape!r}")
         count = math.prod(shape)  # exact: numpy's int64 product would wrap or overflow on forged dims
         if count > limits.max_section_elements:
@@ -238,6 +233,7 @@ def _digests(chunks: Sequence[Any]) -> list[int]:
     """The XXH3-64 of each chunk. Past ``PARALLEL_HASH_BYTES`` the second half is hashed by a helper thread beside
     the caller (xxhash releases the GIL): the first raw chunk of a 3K context, 35 MB, is checked on the critical path
     of a warm request, before anything else can run, and a 7B chunk's 200 MB when it is stored from a GPU."""
+
     def part(lo: int, hi: int) -> list[int]:
         return [_payload_hash(chunks[i]) for i in range(lo, hi)]
 

@@ -1,12 +1,11 @@
 """KVCodec: ``encode(KVCache, level, start=) -> bytes`` and ``decode(bytes) -> KVCache``.
 
-A blob holds one chunk of a context's KV at one level: exact sink tokens and quantised
-transform components (``pipeline.py``), range-coded in independent substreams
-(``coders/``) with the codec's fixed tables (``classes.py``), each component's class taken
-from a ``Profile`` (or, without one, picked on the chunk and stored in the blob), inside the checksummed
-container of ``format.py``. How symbols are cut into substreams and which table codes each: ``substreams.py``.
-Keys are coded before the rotary embedding when the codec knows it (``rotary.py``), so a
-blob decodes at its own positions or, on request, at any others.
+A blob holds one chunk of a context's KV at one level: exact sink tokens and quantised transform components
+(``pipeline.py``), range-coded in independent substreams (``coders/``) with the codec's fixed tables (``classes.py``),
+each component's class taken from a ``Profile`` (or, without one, picked on the chunk and stored in the blob), inside
+the checksummed container of ``format.py``. How symbols are cut into substreams and which table codes each:
+``substreams.py``. Keys are coded before the rotary embedding when the codec knows it (``rotary.py``), so a blob
+decodes at its own positions or, on request, at any others.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from .rotary import RotarySpec
 from .substreams import ChunkGeometry, chunk_classes, stream_layout, unflatten_symbols
 from .transform import Transform, identity_transform
 from .weights import check_weights
+
 
 class KVCodec:
     """Encode and decode KV chunks; one instance per (model, codec configuration, profile).

@@ -60,9 +60,7 @@ class Components:
     exact: torch.Tensor
 
 
-def components(
-    kv: KVCache, transform: Transform, *, start: int = 0, sink_tokens: int = 1, rotary: RotarySpec | None = None
-) -> Components:
+def components(kv: KVCache, transform: Transform, *, start: int = 0, sink_tokens: int = 1, rotary: RotarySpec | None = None) -> Components:
     """Steps 1-3 of the module docstring."""
     n_exact = exact_tokens(start, kv.num_tokens, sink_tokens)
     comps, means, exact = [], [], []
@@ -159,9 +157,7 @@ def synthesise(
     return keys, values
 
 
-def magnitude_bound(
-    transform: Transform, mean: torch.Tensor, step: torch.Tensor, exact: torch.Tensor, rotary: RotarySpec | None
-) -> float:
+def magnitude_bound(transform: Transform, mean: torch.Tensor, step: torch.Tensor, exact: torch.Tensor, rotary: RotarySpec | None) -> float:
     """An upper bound on ``|x|`` over every value :func:`synthesise` can return for these parameters.
 
     A component is ``(s - 128) * step`` with ``s`` in ``[0, 255]``, so ``|c| <= 128 step`` and a

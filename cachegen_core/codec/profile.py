@@ -149,7 +149,9 @@ class Profile:
                 comp = components(kv.slice(start, start + chunk_tokens), stored, start=start, sink_tokens=config.sink_tokens, rotary=rotary)
                 n_chunks += 1
                 for level in range(config.n_levels):
-                    coded = quantise(comp, config.level_step(level, fitted=transform is not None), fitted=transform is not None, step_cap=config.step_cap)
+                    coded = quantise(
+                        comp, config.level_step(level, fitted=transform is not None), fitted=transform is not None, step_cap=config.step_cap
+                    )
                     counts[level] += symbol_histogram(coded.symbols)
         if shape is None or counts is None:
             raise ValueError("Profile.fit needs at least one KV cache")

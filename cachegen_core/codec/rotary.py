@@ -24,9 +24,7 @@ import torch
 
 #: Architectures whose attention applies ``rotate_half`` RoPE to whole heads with one
 #: static ``inv_freq`` for every layer (checked numerically by ``from_model`` too).
-ROTATE_HALF_MODELS = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo", "olmo2", "granite", "smollm3"}
-)
+ROTATE_HALF_MODELS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo", "olmo2", "granite", "smollm3"})
 #: RoPE variants whose frequencies change with the sequence length: not invertible from positions alone.
 DYNAMIC_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 

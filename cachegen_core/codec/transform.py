@@ -138,9 +138,7 @@ def group_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.unflatten(1, (heads // group, group)).transpose(2, 3).reshape(layers, heads // group, tokens, group * dim)
 
 
-def fit_transform(
-    covariance: torch.Tensor, fisher: torch.Tensor | None = None, eps: float = 0.01, *, group: int = 1
-) -> Transform:
+def fit_transform(covariance: torch.Tensor, fisher: torch.Tensor | None = None, eps: float = 0.01, *, group: int = 1) -> Transform:
     """The transform of the module docstring from ``covariance`` and ``fisher``, both ``(2, layers, groups, n, n)``
     for groups of ``group`` heads (``kvstats.py`` sums them so). The linear algebra runs in numpy (its own
     LAPACK): torch 2.13's MKL hangs on batched LU and eigh of 192 x 192 float64 matrices after

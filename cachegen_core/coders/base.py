@@ -71,9 +71,7 @@ class StreamLayout:
         if off[0] != 0 or (off.shape[0] > 1 and np.any(np.diff(off) < 0)):
             raise CoderError("stream offsets must start at 0 and never decrease")
         if tid.ndim != 2 or tid.dtype != np.int32 or tid.shape[0] != off.shape[0] - 1 or tid.shape[1] < 1:
-            raise CoderError(
-                f"table_ids must be int32 of shape (n_streams={off.shape[0] - 1}, period>=1), got {tid.dtype} {tid.shape}"
-            )
+            raise CoderError(f"table_ids must be int32 of shape (n_streams={off.shape[0] - 1}, period>=1), got {tid.dtype} {tid.shape}")
         rows = tid[:1] if tid.shape[0] > 1 and tid.strides[0] == 0 else tid  # one row seen by every substream: check it once
         if rows.size and (rows.min() < 0 or rows.max() >= n_tables):
             raise CoderError(f"table_ids reference tables outside [0, {n_tables})")

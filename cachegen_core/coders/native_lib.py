@@ -92,8 +92,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     api = getattr(lib, "cg_api_version", None)
     if api is None or api() != API_VERSION:
-        raise RuntimeError(f"the native library is a stale build (API {api() if api else 1}, this package binds {API_VERSION}): "
-                           "rebuild it with `pip install .` (or `make install`)")
+        raise RuntimeError(
+            f"the native library is a stale build (API {api() if api else 1}, this package binds {API_VERSION}): "
+            "rebuild it with `pip install .` (or `make install`)"
+        )
     signatures = {
         "cg_format_version": ([], i32),
         "cg_lanes": ([], i32),
@@ -102,10 +104,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "cg_encode": ([p, p, i32, p, i32, p, i32, i32, p, p, p, i32], ctypes.c_int),
         "cg_decode": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, p, p, i32], ctypes.c_int),
         "cg_decode_components": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i64, i32, p, p, p, i32], ctypes.c_int),
-        "cg_decode_kv": ([p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i32, i32, i64, i32, p, p, p, p, p, p, i32,
-                          i64, i64, i64, i64, p, i32], ctypes.c_int),
-        "cg_encode_chunk": ([p, p, p, p, i32, i32, i64, i32, i64, p, p, *[ctypes.c_float] * 3, i32, p, p, p, p, i64, p, p, p, i32],
-                            ctypes.c_int),
+        "cg_decode_kv": (
+            [p, p, i32, p, p, i32, p, p, i32, i32, i32, i32, i32, i32, i64, i32, p, p, p, p, p, p, i32, i64, i64, i64, i64, p, i32],
+            ctypes.c_int,
+        ),
+        "cg_encode_chunk": ([p, p, p, p, i32, i32, i64, i32, i64, p, p, *[ctypes.c_float] * 3, i32, p, p, p, p, i64, p, p, p, i32], ctypes.c_int),
         "cg_torch_sums": ([p, i64, i64, i32, p, p], ctypes.c_int),
     }
     for fn, (args, res) in signatures.items():
@@ -126,7 +129,7 @@ def cpu_library() -> ctypes.CDLL:
             try:
                 _lib = _bind(ctypes.CDLL(str(_library_path())))
                 return _lib
-            except Exception as e:  # no build, no compiler, a stale build: the registry picks another coder
+            except Exception as e:  # noqa: BLE001  no build, no compiler, a stale build: the registry picks another coder
                 _lib_error = f"native coder unavailable: {e}"
         raise CoderError(_lib_error)
 

@@ -52,7 +52,7 @@ def interpreting() -> bool:
 def _triton_error() -> str | None:
     try:
         import triton  # noqa: F401, PLC0415
-    except Exception as e:  # ImportError, or a broken install
+    except Exception as e:  # noqa: BLE001  ImportError, or a broken install
         return f"Triton is not importable ({type(e).__name__}: {e}); it comes with torch's CUDA wheels, or pip install triton"
     return None
 

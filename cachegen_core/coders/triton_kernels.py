@@ -130,8 +130,24 @@ def _put(ptr, y, mask, BF16: tl.constexpr):
 
 
 @triton.jit
-def decode_symbols_kernel(words, word_off, sym_off, order, prog_rounds, n_streams, table_ids, ids_stride, period, info, alphabet,
-                          out, status, S: tl.constexpr, STEPS: tl.constexpr, POW2: tl.constexpr):
+def decode_symbols_kernel(
+    words,
+    word_off,
+    sym_off,
+    order,
+    prog_rounds,
+    n_streams,
+    table_ids,
+    ids_stride,
+    period,
+    info,
+    alphabet,
+    out,
+    status,
+    S: tl.constexpr,
+    STEPS: tl.constexpr,
+    POW2: tl.constexpr,
+):
     """Substream ``order[i]`` (payload ``words[word_off[s]:word_off[s + 1]]``) into ``out[sym_off[s]:sym_off[s + 1]]``
     as uint8, symbol ``j`` with table ``table_ids[s * ids_stride + j % period]`` (0: one row for all) of ``info``
     (uint32 ``start | freq << 16`` per symbol)."""
@@ -152,10 +168,41 @@ def decode_symbols_kernel(words, word_off, sym_off, order, prog_rounds, n_stream
 
 
 @triton.jit
-def decode_kv_kernel(words, word_off, sym_off, order, prog_rounds, n_streams, table_ids, ids_stride, period, info, alphabet,
-                     steps, means, cos, sin, out_k, out_v, stride_l, stride_h, stride_t, first_token, layers, heads,
-                     min_symbol, status, S: tl.constexpr, STEPS: tl.constexpr, POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     ROT: tl.constexpr, R: tl.constexpr, ADD_MEAN: tl.constexpr, BF16: tl.constexpr):
+def decode_kv_kernel(
+    words,
+    word_off,
+    sym_off,
+    order,
+    prog_rounds,
+    n_streams,
+    table_ids,
+    ids_stride,
+    period,
+    info,
+    alphabet,
+    steps,
+    means,
+    cos,
+    sin,
+    out_k,
+    out_v,
+    stride_l,
+    stride_h,
+    stride_t,
+    first_token,
+    layers,
+    heads,
+    min_symbol,
+    status,
+    S: tl.constexpr,
+    STEPS: tl.constexpr,
+    POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT: tl.constexpr,
+    R: tl.constexpr,
+    ADD_MEAN: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """Substreams of whole tokens (``period = 2 * layers * heads * HEAD_DIM`` symbols each, from coded token
     ``sym_off[s] / period``) decoded into KV: see the module docstring. ``steps``, ``means``: float32 per position
     of the period; ``cos``, ``sin``: float32 ``(coded tokens, HEAD_DIM)``; ``out_k``, ``out_v``: ``(layers, heads,

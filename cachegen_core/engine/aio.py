@@ -36,7 +36,7 @@ async def run_in_thread(fn: Callable[[], T], cancel: threading.Event) -> T:
     def target() -> None:
         try:
             result = fn()
-        except BaseException as e:  # handed to the awaiting task
+        except BaseException as e:  # noqa: BLE001  handed to the awaiting task
             error: BaseException | None = e
             result = None
         else:

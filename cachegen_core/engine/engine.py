@@ -396,4 +396,3 @@ class KVEngine:
     def store_stats(self) -> dict[str, int]:
         """Chunks written, failed and dropped (queue full) by the background writer, and still queued."""
         return self.writer.stats
-

@@ -82,4 +82,3 @@ def from_pretrained(
         measure_weights(engine, name=name)
         engine.profile_fitter = start_fitting(engine, name=name)  # type: ignore[attr-defined]
     return engine
-

@@ -244,4 +244,3 @@ def start_fitting(engine: Any, *, name: str = "MODEL") -> ProfileFitter:
     log.warning("no codec profile for %s: coding without one (%s; larger chunks) while one is fitted in the background "
                 "on the shipped calibration text (`cachegen profile --model %s` fits one on your own texts)", name, how, name)  # fmt: skip
     return ProfileFitter(engine, name=name)
-

@@ -78,7 +78,12 @@ class Batch:
 
     def _shareable(self, i: int) -> bool:
         e = self.engine
-        return self.share and e.share_prefixes and not isinstance(self.decodings[i], str) and not (e.documents is not None and document_spans(self.prompts[i]))
+        return (
+            self.share
+            and e.share_prefixes
+            and not isinstance(self.decodings[i], str)
+            and not (e.documents is not None and document_spans(self.prompts[i]))
+        )
 
     def _request(self, i: int, prompt: Any, ids: list[int]) -> Request:
         e = self.engine

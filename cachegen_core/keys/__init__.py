@@ -15,10 +15,18 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Chunk": "chunks", "PartialChunk": "chunks", "blob_key": "chunks", "chunk_keys": "chunks", "partial_chunks": "chunks",
-    "Pointer": "pointers", "pointer_key": "pointers",
-    "model_fingerprint": "fingerprint", "Manifest": "manifest", "manifest_key": "manifest",
-    "SegmentedPrompt": "segments", "document_pieces": "segments",
+    "Chunk": "chunks",
+    "PartialChunk": "chunks",
+    "blob_key": "chunks",
+    "chunk_keys": "chunks",
+    "partial_chunks": "chunks",
+    "Pointer": "pointers",
+    "pointer_key": "pointers",
+    "model_fingerprint": "fingerprint",
+    "Manifest": "manifest",
+    "manifest_key": "manifest",
+    "SegmentedPrompt": "segments",
+    "document_pieces": "segments",
 }
 __all__ = sorted(_EXPORTS)
 

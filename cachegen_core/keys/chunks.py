@@ -185,8 +185,9 @@ def partial_chunks(
     return out
 
 
-def partial_ends(limit: int, done: int, chunk_tokens: int, step: int, spans: Sequence[tuple[int, int]] = (),
-                 prefixes: Sequence[int] = ()) -> tuple[list[int], bool]:
+def partial_ends(
+    limit: int, done: int, chunk_tokens: int, step: int, spans: Sequence[tuple[int, int]] = (), prefixes: Sequence[int] = ()
+) -> tuple[list[int], bool]:
     """Where a request stores partial chunks (none unless ``0 < step < chunk_tokens``): at ``limit`` (the prompt's end,
     or where its KV stops being exact), at the first document's start (``spans``) and, unless the request continues a
     reused partial chunk (ending at ``done``) that is at none of these marks, at the last document's end and the

@@ -43,14 +43,16 @@ class CacheGenSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CACHEGEN_", frozen=True, extra="ignore")
 
-    store: str = Field("disk", description="disk, memory, a directory (./kv, /var/kv: created if missing), a store's directory "
-                       "by its name, disk:///path, redis://, rediss:// or redis-cluster:// URL (stores/url.py)")
+    store: str = Field(
+        "disk",
+        description="disk, memory, a directory (./kv, /var/kv: created if missing), a store's directory "
+        "by its name, disk:///path, redis://, rediss:// or redis-cluster:// URL (stores/url.py)",
+    )
     namespace: str = Field(DEFAULT_NAMESPACE, description="prefix of every key in the store")
     cache_dir: Path | None = Field(None, description="the package cache (models, profiles, the disk store's kv/)")
     chunk_tokens: int | None = Field(None, ge=1, description="tokens per stored chunk (engine default 1536)")
     level: int | str | None = Field(None, description="quality of a hit without a deadline: a level, raw or lossless")
-    store_options: Annotated[tuple[int | str, ...] | None, NoDecode] = Field(
-        None, description="forms written on a miss, e.g. raw,1,3")
+    store_options: Annotated[tuple[int | str, ...] | None, NoDecode] = Field(None, description="forms written on a miss, e.g. raw,1,3")
     slo_s: float | None = Field(None, gt=0, description="deadline for streaming a prompt's cached chunks, seconds")
     hmac_key: SecretStr | None = Field(None, description="authenticate every stored value with this key")
     max_elements_per_byte: int | None = Field(None, ge=1, description="decoded KV elements per blob byte")
@@ -59,8 +61,9 @@ class CacheGenSettings(BaseSettings):
     max_tokens: int | None = Field(None, ge=1, description="tokens of one chunk")
     progress: bool | None = Field(None, description="progress bar on long cold work (on a terminal)")
     auto_profile: bool = Field(True, description="fit a model's missing profile in the background and share it via the store")
-    kv_memory: int | None = Field(None, ge=1, description="bytes the KV of running requests may take, e.g. 8G (default: a share of "
-                                  "the device's memory)")
+    kv_memory: int | None = Field(
+        None, ge=1, description="bytes the KV of running requests may take, e.g. 8G (default: a share of the device's memory)"
+    )
     kv_queue: int | None = Field(None, ge=0, description="requests that may wait for KV memory before one is refused")
 
     @field_validator("kv_memory", mode="before")

@@ -248,7 +248,7 @@ def gc(store: KVStore, policy: GcPolicy, *, dry_run: bool = False) -> dict[str, 
     if policy.max_bytes is not None and left > policy.max_bytes:
         units = [(c.age_s, c.chunk, c.bytes) for c in s.chunks.values() if c.chunk not in reasons]
         units += [(age, k, n) for k, (n, age) in s.pointers.items() if k not in gone]
-        for age, unit, n in sorted(units, key=lambda u: -1.0 if u[0] is None else u[0], reverse=True):
+        for _, unit, n in sorted(units, key=lambda u: -1.0 if u[0] is None else u[0], reverse=True):
             if left <= policy.max_bytes:
                 break
             (gone if unit in s.pointers else reasons)[unit] = "size"

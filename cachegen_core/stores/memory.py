@@ -16,11 +16,11 @@ import numpy as np
 from ..errors import StoreError
 from ..pinned import HostArena, host_arena, parallel_copy, root_block
 from .base import DEFAULT_NAMESPACE, BaseKVStore, Items, iter_items
+from .tiers import CAPACITY_TIER, DEFAULT_RAW_SHARE, RAW_TIER, Tier, check_share, chunk_of, raw_keys, tier_of, yielding_tier
 
 #: Values from this size on are held in pinned memory where a GPU is (smaller ones: manifests, profiles).
 PIN_MIN_BYTES = 1 << 20
 Value = bytes | np.ndarray  # an array: bytes in a pinned block (a ``HostBlock`` or a view of one)
-from .tiers import CAPACITY_TIER, DEFAULT_RAW_SHARE, RAW_TIER, Tier, check_share, chunk_of, raw_keys, tier_of, yielding_tier
 
 
 class MemoryStore(BaseKVStore):
@@ -233,4 +233,3 @@ class MemoryStore(BaseKVStore):
 
     def __len__(self) -> int:
         return len(self._raw) + sum(len(v) for v in self._units.values())
-

@@ -150,9 +150,7 @@ class RedisStore(BaseKVStore):
                     opts["ssl"] = True
                 self._client = redis.Redis.from_url(url, **opts)
             else:
-                self._client = redis.Redis(
-                    host=host, port=port, db=db, username=username, password=password, ssl=ssl, **opts
-                )
+                self._client = redis.Redis(host=host, port=port, db=db, username=username, password=password, ssl=ssl, **opts)
         self._where = self._describe()
         self._same_host = self._on_loopback() if same_host is None else bool(same_host)
 
@@ -326,7 +324,9 @@ class RedisStore(BaseKVStore):
         if self._reader is None:
             with self._lock:
                 if self._reader is None:
-                    self._reader = BulkReader(self.client.connection_pool.connection_kwargs) if not self.cluster and BulkReader.supports(self.client) else False
+                    self._reader = (
+                        BulkReader(self.client.connection_pool.connection_kwargs) if not self.cluster and BulkReader.supports(self.client) else False
+                    )
         if self._reader is False:
             return self.get(key)
         full, limit = self._full(key), self.max_value_bytes

@@ -62,7 +62,7 @@ def verify(key: bytes, store_key: str, stored: bytes) -> bytes | None:
     """The value of a signed ``stored`` entry, or ``None`` if it has no tag or a wrong one."""
     if len(stored) < OVERHEAD or not stored.endswith(TRAILER):
         return None
-    value, mac = stored[:-OVERHEAD], stored[-OVERHEAD:-len(TRAILER)]
+    value, mac = stored[:-OVERHEAD], stored[-OVERHEAD : -len(TRAILER)]
     return value if hmac.compare_digest(mac, tag(key, store_key, value)) else None
 
 

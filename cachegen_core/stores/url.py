@@ -44,8 +44,10 @@ _OPTIONS = {
 #: The words a store name is made of: each bare, or as a URL's scheme (``memory`` only bare).
 _NAMES = ("disk", "memory", "redis", "rediss", "unix", "redis-cluster", "rediss-cluster")
 #: What a store URL may be, for the messages of the errors.
-FORMS = ("disk, memory, a directory (./kv, /var/cache/kv, ~/kv, disk:///path: created if missing), the name of a directory "
-         "holding a store, or a redis://, rediss://, unix://, redis-cluster:// or rediss-cluster:// URL")
+FORMS = (
+    "disk, memory, a directory (./kv, /var/cache/kv, ~/kv, disk:///path: created if missing), the name of a directory "
+    "holding a store, or a redis://, rediss://, unix://, redis-cluster:// or rediss-cluster:// URL"
+)
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 

@@ -293,7 +293,13 @@ class Controller:
             rank(self.floor)
 
     def decide(
-        self, remaining: Sequence[ChunkCost], *, elapsed_s: float, bandwidth: float | None, n_requests: int = 1, busy_s: float = 0.0,
+        self,
+        remaining: Sequence[ChunkCost],
+        *,
+        elapsed_s: float,
+        bandwidth: float | None,
+        n_requests: int = 1,
+        busy_s: float = 0.0,
         fixed_s: float = 0.0,
     ) -> Decision:
         """:func:`choose` with these settings (``fixed_s``: a read's fixed seconds, the estimator's)."""

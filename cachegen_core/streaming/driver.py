@@ -109,7 +109,7 @@ class _Inline:
         f: Future[Any] = Future()
         try:
             f.set_result(fn(*args))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             f.set_exception(e)
         return f
 
@@ -161,6 +161,7 @@ def stream_chunks(
         if i not in lost:
             return c
         return ChunkCost({o: n for o, n in c.sizes.items() if o not in lost[i]}, c.decode_s, c.tokens, c.text_s)
+
     start = clock()
     records: list[ChunkRecord] = []
     parts: list[T] = []

@@ -108,8 +108,9 @@ def _qwen3_next() -> Any:
 #: Family name -> a builder of its tiny model (random weights drawn from torch's global generator).
 FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": _llama,
-    "llama-rope-llama3": lambda: _llama({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 256}),  # fmt: skip
+    "llama-rope-llama3": lambda: _llama(
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    ),  # fmt: skip
     "llama-rope-linear": lambda: _llama({"rope_type": "linear", "factor": 2.0}),
     "llama-rope-yarn": lambda: _llama({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
     "qwen2": lambda: _qwen2(False),

@@ -207,13 +207,13 @@ def _handler(hub: StandInHub) -> type[BaseHTTPRequestHandler]:
             if not head:
                 self.wfile.write(body)
 
-        def do_HEAD(self) -> None:  # noqa: N802
+        def do_HEAD(self) -> None:
             self._answer(head=True)
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             self._answer(head=False)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        def log_message(self, format: str, *args: Any) -> None:
             pass
 
     return Handler

@@ -253,7 +253,7 @@ class ChunkReader:
         (chunk by chunk, a small model's prompt recomputed whole took 2 cores 5.2 s against 2.2 s).
         """
         runs, manifests, owner = [], {}, {}
-        for p, ((ids, chunks, _), info) in enumerate(zip(prompts, infos)):
+        for p, ((_, chunks, _), info) in enumerate(zip(prompts, infos)):
             found = self.lookup(chunks, floor, info, controller.options)
             runs.append(chunks[: len(found)])
             more = partials[p] if partials is not None else None
@@ -346,6 +346,7 @@ class ChunkReader:
         the store no longer holds (a raw form its raw tier evicted: ``stores/tiers.py``) is replaced by the next one
         the controller picks, the level or text. Returns the records, and the failure that stopped the stream, if any
         (its records then are those before it)."""
+
         def cost(key: str) -> ChunkCost:
             sizes = {o: n for o, n in manifests[key].sizes.items() if o in controller.options}
             c = chunk_of(key)

@@ -59,7 +59,9 @@ class Worker:
         self._writer = weakref.proxy(writer)
         self._hot = writer.hot
         self._turns = writer.turns
-        self.queue: queue.Queue[tuple[Chunk, KVCache, int, Manifest | None, dict[Option, bytes] | None] | DropRaw | None] = queue.Queue(maxsize=maxsize)
+        self.queue: queue.Queue[tuple[Chunk, KVCache, int, Manifest | None, dict[Option, bytes] | None] | DropRaw | None] = queue.Queue(
+            maxsize=maxsize
+        )
         self._later: deque[tuple[Chunk, KVCache, Manifest | None, int] | DropRaw] = deque()  # later stages to write, in order
         self.dropped = self.failed = self.written = 0  # counted by count(): request threads count too
         self._counting = threading.Lock()
@@ -149,7 +151,7 @@ class Worker:
             raise
         except StoreError:  # the writer logs a failing store once, not per chunk
             self.count("failed")
-        except Exception as e:  # a failed write is reported, never raised into a request
+        except Exception as e:  # noqa: BLE001  a failed write is reported, never raised into a request
             self.count("failed")
             log.warning("storing chunk failed: %s", e)
         finally:
@@ -170,7 +172,7 @@ class Worker:
             self._dropped_writer()
         except StoreError:
             self.count("failed")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001
             self.count("failed")
             log.warning("storing chunk failed: %s", e)
         finally:

@@ -66,8 +66,6 @@ class StoreHealth:
         self.failing = False
 
 
-
-
 class ChunkWriter:
     """Writes chunks (every option of ``options``: levels of ``codec``, raw forms of ``raw``) into ``store``.
 

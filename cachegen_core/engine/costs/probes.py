@@ -231,4 +231,3 @@ class Prober:
             return False
         e.cost_model.observe_prefill(tokens, 0, seconds)
         return True
-

@@ -90,8 +90,10 @@ class BlendConfig:
         if self.min_document_tokens < 1 or self.query_block < 1:
             raise ValueError("min_document_tokens and query_block must be >= 1")
         if self.head_tokens < 0 or self.sink_tokens < 0 or self.question_tokens < 1:
-            raise ValueError("head_tokens and sink_tokens must be >= 0 and question_tokens >= 1, got "
-                             f"{self.head_tokens}, {self.sink_tokens}, {self.question_tokens}")
+            raise ValueError(
+                "head_tokens and sink_tokens must be >= 0 and question_tokens >= 1, got "
+                f"{self.head_tokens}, {self.sink_tokens}, {self.question_tokens}"
+            )
         if self.select not in SELECTIONS:
             raise ValueError(f"select must be one of {SELECTIONS}, got {self.select!r}")
 

@@ -64,8 +64,7 @@ def offset_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return torch.nn.functional.scaled_dot_product_attention(padded, key, value, is_causal=True, scale=scaling, enable_gqa=True)[:, :, prefix:]
 
 
-def blocked_offset_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                             scaling: float | None) -> torch.Tensor:
+def blocked_offset_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Causal attention of the last ``q`` positions over ``k`` keys, the queries in :data:`OFFSET_BLOCKS` blocks (at least
     :data:`MIN_BLOCK` each), each block over the keys up to its last position with its slice of ``mask``: one
     masked call computes all ``q x k`` scores, the blocks ``q (k - q) + q^2 / 2`` and half a block's square each."""

@@ -333,7 +333,7 @@ def generate(
         out = model.generate(
             input_ids,
             attention_mask=torch.ones_like(input_ids),
-            **cache_arg(model, _plain_cache(model, past, filled, int(kwargs['num_beams'])) if beams else model_cache(model, past, filled)),
+            **cache_arg(model, _plain_cache(model, past, filled, int(kwargs["num_beams"])) if beams else model_cache(model, past, filled)),
             streamer=streamer if beams else timer,
             return_dict_in_generate=True,
             **kwargs,
@@ -364,7 +364,7 @@ def stream_pieces(tokenizer: Any, run: Callable[[Any], tuple[str, Any]], cancel:
     def target() -> None:
         try:
             result["text"], result["info"] = run(streamer)
-        except BaseException as e:  # surfaced in the caller's thread below
+        except BaseException as e:  # noqa: BLE001  surfaced in the caller's thread below
             result["error"] = e
             streamer.end()
 

@@ -142,7 +142,9 @@ class PlanCache(Cache):
         super().__init__(layers=[])
         self.plan = plan
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         for p in self.plan.parts:
             p.own.keys[layer_idx, :, p.filled : p.filled + p.tokens].copy_(key_states[0, :, p.start : p.stop])
             p.own.values[layer_idx, :, p.filled : p.filled + p.tokens].copy_(value_states[0, :, p.start : p.stop])

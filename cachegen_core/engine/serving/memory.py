@@ -15,21 +15,13 @@ from typing import Any
 
 import torch
 
-from ...errors import CacheGenError
+from ...errors import EngineBusy, TooLarge
 
 #: The share of the device's memory the KV of running requests may take by default: of the RAM on the CPU (the model
 #: and the process take the rest), of the GPU's memory left free once the model is loaded.
 CPU_SHARE, GPU_SHARE = 0.4, 0.8
 #: Requests that may wait for memory by default.
 DEFAULT_QUEUE = 64
-
-
-class EngineBusy(CacheGenError, RuntimeError):
-    """The engine's queue of requests waiting for KV memory is full: try again later, or raise ``kv_queue``."""
-
-
-class TooLarge(CacheGenError, ValueError):
-    """A request's KV alone exceeds the engine's KV memory: shorten it, or raise ``kv_memory``."""
 
 
 def default_limit(device: torch.device | str) -> int:

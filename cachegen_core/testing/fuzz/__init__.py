@@ -50,10 +50,29 @@ _EXPORTS = {
     "seeds": ["FINGERPRINT", "LIMITS", "MAX_TOKENS", "Seed", "make_codecs", "make_seeds", "warm_up"],
     "blobs": ["Parts", "dump_header", "header_of", "repack", "repack_header", "split", "with_header"],
     "edits": ["INTERESTING_INTS", "json_get", "json_paths", "json_set", "odd_value", "raw_edit"],
-    "mutations": ["MUTATORS", "mutate", "mutate_header", "mutate_header_text", "mutate_raw", "mutate_sections",
-                  "mutate_streams", "mutate_table", "mutate_transplant"],  # fmt: skip
-    "oracle": ["OUTCOMES", "HardTimeout", "Result", "alloc_bound", "check_codec", "check_container", "hard_deadline",
-               "inconsistency", "run_one", "validated_elements"],  # fmt: skip
+    "mutations": [
+        "MUTATORS",
+        "mutate",
+        "mutate_header",
+        "mutate_header_text",
+        "mutate_raw",
+        "mutate_sections",
+        "mutate_streams",
+        "mutate_table",
+        "mutate_transplant",
+    ],  # fmt: skip
+    "oracle": [
+        "OUTCOMES",
+        "HardTimeout",
+        "Result",
+        "alloc_bound",
+        "check_codec",
+        "check_container",
+        "hard_deadline",
+        "inconsistency",
+        "run_one",
+        "validated_elements",
+    ],  # fmt: skip
     "coder_cases": ["CoderCase", "check_coder", "coder_case"],
     "runner": ["FuzzReport", "TargetStats", "run", "seed_outcomes"],
     "profile_files": ["check_profile_file", "profile_file_cases", "run_profiles"],

@@ -69,12 +69,12 @@ def custom_mutator(data: bytes, max_size: int, seed: int) -> bytes:
     try:  # mutate the input itself when it is still a well-formed blob, else a seed
         blobs.split(data[1:])
         blob, prefix = data[1:], data[:1]
-    except Exception:
+    except Exception:  # noqa: BLE001
         blob, prefix = base.blob, _prefix(base)
     seed_obj = seeds.Seed(base.name, base.codec, blob, base.kv, base.coder)
     try:
         out, _, _ = mutations.mutate(rng, seed_obj, SEEDS)
-    except Exception:  # a structured mutator that does not apply to this input
+    except Exception:  # noqa: BLE001  a structured mutator that does not apply to this input
         return atheris.Mutate(data, max_size)
     return (prefix + out)[:max_size]
 

@@ -82,12 +82,8 @@ def coder_case(rng: random.Random, coder: Any, others: Sequence[Any]) -> CoderCa
     # symbols drawn from their own tables, so that peaked tables give long cheap runs
     cdf = np.cumsum(freqs, axis=1) / float(1 << 16)
     n = int(offsets[-1])
-    table_of = (
-        np.concatenate([np.resize(tids[s], int(counts[s])) for s in range(n_streams)]) if n else np.zeros(0, dtype=np.int32)
-    )
-    symbols = (
-        (cdf[table_of] < g.random((n, 1))).sum(axis=1).clip(0, alphabet - 1).astype(np.uint8) if n else np.zeros(0, np.uint8)
-    )
+    table_of = np.concatenate([np.resize(tids[s], int(counts[s])) for s in range(n_streams)]) if n else np.zeros(0, dtype=np.int32)
+    symbols = (cdf[table_of] < g.random((n, 1))).sum(axis=1).clip(0, alphabet - 1).astype(np.uint8) if n else np.zeros(0, np.uint8)
     enc = rng.choice(list(others)) if others and rng.random() < 0.15 else coder
     payloads = enc.encode(symbols, layout, freqs)
     what = f"n_streams={n_streams} symbols={n} period={period} alphabet={alphabet} by={enc.name}"

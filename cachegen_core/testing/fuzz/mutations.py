@@ -104,9 +104,7 @@ def mutate_sections(rng: random.Random, blob: bytes) -> bytes:
         arr = arr.astype(rng.choice([np.uint8, np.int32, np.float32]))
     elif r < 0.8:
         arr = (
-            arr.reshape(-1)[: max(0, arr.size - rng.randint(1, 3))]
-            if rng.random() < 0.5
-            else np.concatenate([arr.reshape(-1), arr.reshape(-1)[:3]])
+            arr.reshape(-1)[: max(0, arr.size - rng.randint(1, 3))] if rng.random() < 0.5 else np.concatenate([arr.reshape(-1), arr.reshape(-1)[:3]])
         )
     elif r < 0.9:
         p.sections[rng.choice(["extra", name + "_", "tables"])] = arr

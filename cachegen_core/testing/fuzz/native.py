@@ -72,8 +72,7 @@ def run(seconds: float, *, runs: int = -1, workdir: Path | None = None, seed: in
             "available": True,
             "inputs": inputs,
             "seconds": round(time.perf_counter() - t, 1),
-            "crashes": sum(a.startswith(("crash-", "leak-", "oom-")) for a in artifacts)
-            or int(proc.returncode != 0 and not artifacts),
+            "crashes": sum(a.startswith(("crash-", "leak-", "oom-")) for a in artifacts) or int(proc.returncode != 0 and not artifacts),
             "hangs": sum(a.startswith("timeout-") for a in artifacts),
             "returncode": proc.returncode,
             "artifacts": artifacts,

@@ -71,7 +71,7 @@ def alloc_bound(data: bytes, max_tokens: int = MAX_TOKENS) -> int:
     table ids, offsets...). Without a valid shape nothing may scale beyond the blob's size."""
     try:
         elements = validated_elements(header_of(data), max_tokens)
-    except Exception:
+    except Exception:  # noqa: BLE001
         elements = 0
     return 8 * len(data) + (8 << 20) + 48 * elements
 
@@ -105,9 +105,7 @@ def inconsistency(kv: KVCache, header: dict[str, Any], max_tokens: int) -> str:
     return ""
 
 
-def run_one(
-    fn: Callable[[], Any], bound: int, hang_s: float, hard_s: float, trace: bool
-) -> tuple[Any, BaseException | None, Result]:
+def run_one(fn: Callable[[], Any], bound: int, hang_s: float, hard_s: float, trace: bool) -> tuple[Any, BaseException | None, Result]:
     """Run ``fn`` under the time and allocation watch; return (value, exception, partial result)."""
     started = trace and not tracemalloc.is_tracing()
     if started:
@@ -122,7 +120,7 @@ def run_one(
             value = fn()
     except HardTimeout as e:
         exc = e
-    except Exception as e:  # classified by the caller
+    except Exception as e:  # noqa: BLE001  classified by the caller
         exc = e
     dt = time.perf_counter() - t
     peak = tracemalloc.get_traced_memory()[1] - base if trace else 0

@@ -42,7 +42,7 @@ def warm_up() -> None:
 
         _backend()
         available_coders()
-    except Exception:  # a coder that cannot load is simply not fuzzed
+    except Exception:  # noqa: BLE001  a coder that cannot load is simply not fuzzed
         pass
     finally:
         sys.stdout.flush()
