@@ -105,3 +105,12 @@ def test_a_model_with_alibi_is_not_packed():
 
     model = FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True))
     assert "ALiBi" in (packed.packs(model) or "")
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "gemma2-window"])
+def test_the_attention_a_gpu_runs_by_hand_gives_the_same_logits(name, monkeypatch):
+    """Off the CPU (a GPU) the shared prefix's and each tail's attention with its log-sum-exp are computed by hand in
+    float32 (``_manual``), one call per tail: forced here on the CPU, the same logits as each request alone."""
+    monkeypatch.setattr(packed, "_with_lse", packed._manual)
+    monkeypatch.setattr(packed, "_tails", lambda q, group, layer, window, scale, kvh: packed._each_tail(q, group, layer, window, scale, None, kvh))
+    test_pieces_and_decode_steps_of_requests_sharing_a_prefix_and_not_equal_each_alone(name)
