@@ -59,6 +59,7 @@ class Batch:
         self.decodings: list[Decoding | str] = [self._decoding(len(ids)) if generating else "" for ids in self.ids]
         self.requests: list[Request] = []
         self.leaders: dict[int, tuple[int, int]] = {}  # request -> (the batch-mate whose buffer it reads, up to)
+        self.stored = 0  # what the store holds of the prompt being prepared (``_shared``)
         self.notes: list[Any] = []
 
     def _decoding(self, prompt_tokens: int) -> Decoding | str:
@@ -91,9 +92,9 @@ class Batch:
         chunks = e._chunk_keys(arr)
         info = GenerationInfo(prompt_tokens=len(ids))
         candidates = prefix_keys(e, arr, chunks) if self._shareable(i) else []
-        taken = e.prefixes.take(candidates, skip=self.notes, cancel=self.cancel) if candidates else None
+        taken = self._shared(candidates, chunks, arr, info) if candidates else None
         offset = taken[1] if taken else 0
-        mate = self._batch_mate(candidates, offset)
+        mate = self._batch_mate(candidates, max(offset, self.stored if candidates else 0))
         if mate is not None:
             if taken:
                 taken[0].release()
@@ -118,6 +119,17 @@ class Batch:
             r.note = e.prefixes.announce(candidates)
             self.notes.append(r.note)
         return r
+
+    def _shared(self, candidates: list[Prefix], chunks: Sequence[Any], arr: Any, info: GenerationInfo) -> tuple[Held, int] | None:
+        """The prefix of this prompt to read from another request's buffer, and where it ends: one at least as long as
+        what the store holds of the prompt (waited for when announced), else the longest held ending at a chunk
+        boundary before that (the store's chunks after it are streamed); None: none."""
+        e = self.engine
+        self.stored = _stored_end(e, chunks, arr, GenerationInfo())  # a store request or two (its errors: the stream's)
+        taken = e.prefixes.take([c for c in candidates if c[1] >= self.stored], skip=self.notes, cancel=self.cancel)
+        if taken is None and self.stored:  # the store holds more: memory only for its leading complete chunks
+            taken = e.prefixes.take([(c.key, c.end) for c in chunks if c.end <= self.stored], skip=self.notes, wait=False)
+        return taken
 
     def _batch_mate(self, candidates: list[Prefix], better_than: int) -> tuple[int, int] | None:
         """An earlier prompt of the batch whose buffer will hold a longer prefix of this one than ``better_than``."""
@@ -257,6 +269,17 @@ def _freeing(grant: Grant, pool: Any, own: Any) -> Any:
             pool.give(own)
 
     return free
+
+
+def _stored_end(engine: Any, chunks: Sequence[Any], arr: Any, info: GenerationInfo) -> int:
+    """Where the store's run of this prompt's leading chunks (and the partial chunk after it) ends, as a stream
+    would find it (0: nothing stored)."""
+    run = engine.reader.lookup(chunks, engine.level, info, engine.stream_options)
+    end = len(run) * engine.chunk_tokens
+    if 0 < engine.partial_step < engine.chunk_tokens:
+        tail = engine.reader.lookup_partial(engine._partials(arr)(end), engine.level, info, engine.stream_options)
+        end = tail[0].end if tail is not None else end
+    return end
 
 
 def prefix_keys(engine: Any, arr: Any, chunks: Sequence[Any]) -> list[Prefix]:

@@ -118,10 +118,11 @@ class SharedPrefixes:
         with self._lock:
             return len(self._live)
 
-    def take(self, prefixes: Sequence[Prefix], skip: Sequence[_Announced] = (), cancel: threading.Event | None = None) -> tuple[Held, int] | None:
+    def take(self, prefixes: Sequence[Prefix], skip: Sequence[_Announced] = (), cancel: threading.Event | None = None,
+             wait: bool = True) -> tuple[Held, int] | None:  # fmt: skip
         """The longest of ``prefixes`` held now, acquired (release it when done), with the token it ends at; None when
-        none is. A prefix another request announced (not one of ``skip``: the caller's own) is waited for, then
-        looked up again (not once ``cancel`` is set)."""
+        none is. A prefix another request announced (not one of ``skip``: the caller's own) is waited for (``wait``),
+        then looked up again (not once ``cancel`` is set)."""
         while True:
             with self._lock:
                 for key, end in sorted(prefixes, key=lambda p: -p[1]):
@@ -135,7 +136,7 @@ class SharedPrefixes:
                         return held, min(end, at)
                 pending = next((self._announced[k] for k, _ in sorted(prefixes, key=lambda p: -p[1])
                                 if k in self._announced and not any(self._announced[k] is s for s in skip)), None)  # fmt: skip
-            if pending is None:
+            if pending is None or not wait:
                 return None
             while not pending.ready.wait(0.05):
                 if cancel is not None and cancel.is_set():
