@@ -13,8 +13,9 @@ Workloads (LongChat transcripts cut to a number of tokens, each prompt followed 
 
 For each workload and number of new tokens the contexts are stored first (one cold request each, written before
 the run), then every prompt is answered alone, one after another (the sequential run: the reference answers, greedy).
-The engine stores one form, the codec's default level, and never recomputes a stored chunk as text: every run reads
-the same KV (which form the controller takes follows timings), so an answer differs only by batching.
+The engine stores one form (``--form``: the 16-bit raw form a warm request takes on a local store by default, or a
+level) and never recomputes a stored chunk as text: every run reads the same KV (which form the controller takes
+follows timings), so an answer differs only by batching.
 Then, for each mode (U threads calling ``KVEngine.generate``; U asyncio tasks awaiting ``CacheGenLLM.agenerate``) and
 number of users U, each user sends ``--requests-per-user`` requests one after another (a cold one in ``mixed`` is
 on a context that was never stored). One row per (workload, new tokens, mode, users): ``requests_per_min``,
@@ -257,6 +258,8 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--modes", nargs="+", default=["threads", "asyncio"], choices=["threads", "asyncio"])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--store", default="memory", choices=["memory", "disk", "redis"])
+    ap.add_argument("--form", default="raw", type=lambda v: v if v in ("raw", "lossless") else int(v),
+                    help="the one form stored and read: raw (default) or a level")  # fmt: skip
     ap.add_argument("--requests-per-user", type=int, default=2)
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip plain transformers' steps")
     ap.add_argument("--context-scale", type=float, default=1.0, help="scale every workload's context tokens (tests)")
@@ -282,10 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         out = stack.enter_context(Rows("concurrency", args.out, argv))
         store = stack.enter_context(fresh_store(args.store))
         # one stored form, never text: every run reads the same KV, so an answer differs from the sequential run's only
-        # by batching (which form the controller takes follows timings, and their KV differ)
-        engine = KVEngine.from_pretrained(model, tokenizer=tok, store=store, background=True, progress=False, allow_text=False)
-        engine.store_options = engine.writer.options = [engine.level]
-        out.emit({"model": args.model, "device": args.device, "store": args.store, "level": engine.level, "torch_threads": torch.get_num_threads(),
+        # by batching (which form the controller takes follows timings, and their KV differ); --form raw: the form a
+        # warm request takes on a local store (warm_path), a level: one the decoder must decode
+        engine = KVEngine.from_pretrained(model, tokenizer=tok, store=store, background=True, progress=False, allow_text=False,
+                                          level=args.form, store_options=[args.form])  # fmt: skip
+        out.emit({"model": args.model, "device": args.device, "store": args.store, "form": args.form, "torch_threads": torch.get_num_threads(),
                   "kv_memory": engine.memory.limit, "requests_per_user": args.requests_per_user})  # fmt: skip
         ceilings: dict = {}
         for name in args.workloads:
