@@ -13,7 +13,7 @@ MAX_LINES = 400
 #: Each layer of cachegen_core may import only the layers listed before it (docs/architecture.md): a unit is a
 #: top-level module or subpackage.
 LAYERS = [
-    {"errors", "paths", "hfcompat"},
+    {"errors", "paths", "hfcompat", "openmp"},
     {"kv", "models", "pinned", "hub"},
     {"keys"},
     {"coders"},

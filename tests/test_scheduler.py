@@ -11,6 +11,7 @@ import pytest
 
 from cachegen_core.engine import KVEngine
 from cachegen_core import EngineBusy, TooLarge
+from cachegen_core.engine.serving.request import Job
 from cachegen_core.engine.serving.turns import Turns
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import words
@@ -90,6 +91,21 @@ def test_a_long_prompt_joining_is_computed_in_pieces_beside_the_decoding_request
     t.join()
     assert pieces and max(pieces) < 120  # the joining prompt was cut while the first request decoded
     assert joined[0] == _alone(tiny_llama, tiny_tokenizer, words(4, 120), max_new_tokens=4)
+
+
+def test_requests_joining_together_share_one_decode_steps_worth_of_prompt_tokens(tiny_llama, tiny_tokenizer):
+    s = _engine(tiny_llama, tiny_tokenizer).scheduler
+    s.prefill_seconds = lambda tokens, position: 1e-3 * tokens  # 1 ms a prompt token
+    joining = [Job(list(range(100)), None, 0) for _ in range(5)]  # type: ignore[arg-type]
+    for j in joining:
+        j.pending = len(j.ids)
+    assert s._pieces(0, joining) == [(joining[0], 100), (joining[1], 100), (joining[2], 100), (joining[3], 100), (joining[4], 100)]
+    s.decode_s = 0.040  # a decode step: 40 prompt tokens' time, in all, whoever joins
+    assert s._pieces(3, joining) == [(joining[0], 40)]
+    joining[0].pending = 25  # the rest of the first one, then the next in line
+    assert s._pieces(3, joining) == [(joining[0], 25), (joining[1], 16)]  # no piece under MIN_PIECE tokens
+    s.decode_s = 0.0  # no decode step timed yet: PROBE tokens
+    assert s._pieces(3, joining[1:]) == [(joining[1], 64)]
 
 
 def test_cancelling_one_request_leaves_the_others_answers_unchanged(tiny_llama, tiny_tokenizer):

@@ -24,6 +24,7 @@ from ..codec.kvcodec import KVCodec
 from ..errors import CacheGenError, StoreError
 from ..keys.fingerprint import model_fingerprint
 from ..kv import KVCache
+from .. import openmp
 from ..ops.metrics import EngineMetrics, MetricsRecorder, summarise
 from ..ops.progress import progress_bar
 from ..ops.settings import load as load_settings
@@ -165,6 +166,7 @@ class KVEngine:
         self.documents = DocumentCaches(self, self.blend) if self.blend is not None else None
         self.profile_fitter: Any = None  # fits a profile in the background (``profiles.py``; set by from_pretrained)
         self.prober.after_build()  # each raw form's copy on the model's device
+        openmp.release()  # the building thread's OpenMP threads (loading the model) would slow the scheduler's steps
 
     from_pretrained = classmethod(from_pretrained)  # load a model (or take one) and build an engine: loading.py
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .. import openmp
 from ..keys.chunks import partial_chunks, token_array
 from ..keys.segments import document_spans, prefix_ends
 from ..stores.base import fetches_on_cpu
@@ -171,6 +172,7 @@ class Batch:
     # ------------------------------------------------------------ 3. generation
     def generate(self) -> list[Job]:
         """Each request's job, submitted to the scheduler (the legacy ones generated alone), all waited for."""
+        openmp.release()  # this thread's torch work is done until the answer: its OpenMP threads would slow the steps
         jobs: list[Job | None] = [None] * len(self.requests)
         for stage in (False, True):  # requests reading a batch-mate's buffer once it is filled
             for i, (r, d) in enumerate(zip(self.requests, self.decodings)):
@@ -257,6 +259,7 @@ class Batch:
         for r in self.requests:
             self.engine.prefixes.settle(r.note)
             r.kv.release()
+        openmp.release()  # storing the answer's chunks ran torch ops here: this thread's OpenMP threads go too
 
 
 def _freeing(grant: Grant, pool: Any, own: Any) -> Any:

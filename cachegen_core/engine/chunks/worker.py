@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from ... import openmp
 from ...keys.chunks import Chunk
 from ...errors import StoreError
 from ...kv import KVCache
@@ -102,6 +103,8 @@ class Worker:
         except (AttributeError, OSError):
             pass
         while not self._stopping:
+            if self.queue.empty():  # idle, or waiting for a turn: its OpenMP threads would slow the requests' steps
+                openmp.release()
             try:  # a new chunk's first stage before any chunk's later stages, which wait for a turn (no request runs)
                 if not self._later:
                     item = self.queue.get()

@@ -3,9 +3,10 @@
 Continuous batching (Orca, vLLM): requests join and leave between steps. Each step is one packed forward
 (``model/packed.py``) holding every decoding request's next token and, within a budget of tokens, pieces of the
 prompts still being computed (a joining request's uncached tail, a text chunk a stream recomputes, a document),
-first come first served. While requests decode, a piece is sized to take about one decode step (from the prefill's
-cost the engine measured, at the piece's place in its prompt: later tokens attend to more), so a joining request
-holds the others' next token up by about one step; with nothing decoding it takes up to :data:`MAX_PIECE` tokens. Each request picks its next token by its own
+first come first served. While requests decode, the pieces of a step together take about one decode step (from the
+prefill's cost the engine measured, at each piece's place in its prompt: later tokens attend to more), so requests
+joining hold the others' next token up by about one step, however many join; with nothing decoding a step takes up
+to :data:`MAX_PIECE` prompt tokens. Each request picks its next token by its own
 :class:`~..model.decoding.Decoding` (greedy ones in one op); a request that ends (a stop, its length, its
 cancel event, an error) leaves at once, the others go on. A step that raises is run again request by request, so a
 failing request fails alone.
@@ -179,12 +180,24 @@ class Scheduler:
         if job.streamer is not None:
             job.streamer.end()
 
-    def _piece(self, decoding: int, position: int, budget: int) -> int:
-        """Prompt tokens a piece at ``position`` may have: about one decode step's worth while requests decode."""
-        if not decoding or self.prefill_seconds is None:
-            return budget
-        per = max(self.prefill_seconds(PROBE, position) / PROBE, 1e-7)  # at its place: later tokens attend to more
-        return int(min(budget, max(MIN_PIECE, self.decode_s / per)))
+    def _pieces(self, decoding: int, prefilling: list[Job]) -> list[tuple[Job, int]]:
+        """The prompt tokens each prefilling job computes this step, first come first served: up to :data:`MAX_PIECE`
+        in all, and while requests decode about one decode step's worth in all (each token costed at its place in
+        its prompt: later tokens attend to more), so that however many requests join, the decoding ones' next token
+        waits about one step more."""
+        tokens, seconds, pieces = MAX_PIECE, self.decode_s, []
+        timed = decoding and self.prefill_seconds is not None
+        for j in prefilling:
+            if tokens < MIN_PIECE or (timed and pieces and seconds <= 0):
+                break
+            n = min(j.pending, tokens)
+            if timed:
+                per = max(self.prefill_seconds(PROBE, j.at + len(j.ids) - j.pending) / PROBE, 1e-7)  # type: ignore[misc]
+                n = min(n, max(MIN_PIECE, int(seconds / per) if self.decode_s else PROBE))  # no step timed yet: PROBE tokens
+                seconds -= n * per
+            pieces.append((j, n))
+            tokens -= n
+        return pieces
 
     def _step(self, jobs: list[Job]) -> None:
         for j in jobs:
@@ -192,12 +205,7 @@ class Scheduler:
                 self._leave(j, "cancelled")
         jobs = [j for j in jobs if j.state is not State.FINISHED]
         decoding = [j for j in jobs if j.state is State.DECODING]
-        budget, pieces = MAX_PIECE, []
-        for j in jobs:
-            if j.state is State.PREFILLING and budget >= MIN_PIECE:
-                n = min(j.pending, self._piece(len(decoding), j.at + len(j.ids) - j.pending, budget))
-                pieces.append((j, n))
-                budget -= n
+        pieces = self._pieces(len(decoding), [j for j in jobs if j.state is State.PREFILLING])
         if not decoding and not pieces:
             return
         t = time.perf_counter()

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ... import openmp
+
 #: On a GPU, the ops a background thread may queue before it waits for them.
 SYNC_EVERY = 16
 #: On the CPU, a matrix product that would take longer than about twice this is computed in blocks of rows of about
@@ -136,6 +138,7 @@ class Yielding(TorchDispatchMode):
         """Wait for a turn lent under load, or until no request has computed for ``quiet_s`` (``paused`` set meanwhile;
         :class:`Stopped` when asked to stop)."""
         self.paused.set()
+        openmp.release()  # its OpenMP threads, kept while it waits, would slow the requests' steps
         try:
             while True:
                 if self.stop.is_set():
