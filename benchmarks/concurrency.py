@@ -185,6 +185,7 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
         engine.flush()
         reference = {p: engine.generate(p, **gen)[0] for p in warm}  # the sequential run
         engine.flush()
+        engine.prober.join(120)
         for mode in args.modes:
             base = None
             for users in args.users:
@@ -194,6 +195,7 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
                 answers, failures = run_threads(engine, run.warm, gen) if mode == "threads" else run_asyncio(llm, run.warm, new)
                 wall = time.perf_counter() - t
                 engine.flush()  # what the run stored is written before the next one is timed
+                engine.prober.join(120)  # and the background probes its streams asked for are done (as warm_path)
                 r = {"workload": name, "context_tokens": tokens, "new_tokens": new, "mode": mode, "users": users,
                      "cold_requests": sum(p in run.cold for mine in run.warm for p in mine)}  # fmt: skip
                 r.update(row(answers, failures, wall, users * args.requests_per_user, reference, model, tok))

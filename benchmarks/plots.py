@@ -5,7 +5,8 @@
 
 - ``warm_ttft.png``: warm TTFT against context length per policy (``warm_path``), the CPU box and the H100;
 - ``quality_bits.png``: bits per element against next tokens unlike fp16's, per method (``quality_size``);
-- ``store_budget.png``: mean TTFT against a store's budget, per policy and trace (``store_budget``).
+- ``store_budget.png``: mean TTFT against a store's budget, per policy and trace (``store_budget``);
+- ``concurrency.png``, ``concurrency-ttft.png``: requests a minute and TTFT p95 against users, per workload (``concurrency``).
 
 A new run shown on the page: add its file to the lists below (and cite it on the page).
 """
@@ -16,7 +17,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from benchmarks import quality_size, store_budget, warm_path
+from benchmarks import concurrency, quality_size, store_budget, warm_path
 from benchmarks.common import ROOT, results
 
 #: (file, {store: panel title}) per warm-path run drawn, in panel order.
@@ -33,6 +34,8 @@ QUALITY = [
     ("quality_size_v2.jsonl", {m: f"{m} (2 transcripts)" for m in ("uniform4", "kivi4", "kivi2", "quanto4", "quanto2")}),
 ]
 STORE_BUDGET = "store_budget_quick_2026-11-29.jsonl"
+#: The concurrency runs drawn together (one invocation per set of workloads).
+CONCURRENCY = ["concurrency_2026-12-06.jsonl", "concurrency_own_2026-12-06.jsonl"]
 
 
 def warm_path_rows(data: Path) -> list[dict[str, Any]]:
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     warm_path.plot(warm_path_rows(args.data), str(args.out / "warm_ttft.png"))
     quality_size.plot(quality_rows(args.data), str(args.out / "quality_bits.png"))
     store_budget.plot(results(args.data / STORE_BUDGET), str(args.out / "store_budget.png"))
-    for name in ("warm_ttft.png", "quality_bits.png", "store_budget.png"):
+    concurrency.plot([r for name in CONCURRENCY for r in results(args.data / name)], str(args.out / "concurrency.png"))
+    for name in ("warm_ttft.png", "quality_bits.png", "store_budget.png", "concurrency.png", "concurrency-ttft.png"):
         print(f"{args.out / name}: {(args.out / name).stat().st_size // 1024} KB")
 
 
