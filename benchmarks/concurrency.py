@@ -15,7 +15,8 @@ For each workload and number of new tokens the contexts are stored first (one co
 the run), then every prompt is answered alone, one after another (the sequential run: the reference answers, greedy).
 The engine stores one form (``--form``: the 16-bit raw form a warm request takes on a local store by default, or a
 level) and never recomputes a stored chunk as text: every run reads the same KV (which form the controller takes
-follows timings), so an answer differs only by batching.
+follows timings), so an answer differs only by batching. Each timed run starts once what the runs before it stored
+is written and the background probes their streams asked for have run.
 Then, for each mode (U threads calling ``KVEngine.generate``; U asyncio tasks awaiting ``CacheGenLLM.agenerate``) and
 number of users U, each user sends ``--requests-per-user`` requests one after another (a cold one in ``mixed`` is
 on a context that was never stored). One row per (workload, new tokens, mode, users): ``requests_per_min``,
