@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -161,3 +162,22 @@ def test_damage_found_later_degrades_to_recomputation(tmp_path, tiny_llama, tiny
     text, info = e.generate(new, max_new_tokens=4)  # its chunks cannot be stored: answered all the same
     assert text == plain_greedy(tiny_llama, tiny_tokenizer, new, 4) and info.cached_tokens == 0
     assert any("DiskCacheStore put" in err for err in info.errors), info.errors
+
+
+def test_an_opener_whose_files_were_moved_aside_under_it_opens_the_new_store(tmp_path):
+    from cachegen_core.stores.disk_recovery import open_cache
+
+    tries = []
+
+    def open_():  # the first try meets the I/O error SQLite gives when another opener moves the files under it
+        tries.append(1)
+        if len(tries) == 1:
+            err = sqlite3.OperationalError("disk I/O error")
+            err.sqlite_errorcode = 10
+            raise err
+        return "opened"
+
+    assert open_cache(tmp_path, open_, recover=True) == "opened" and len(tries) == 2
+    tries.clear()
+    with pytest.raises(sqlite3.OperationalError):  # without recovery (a read command), raised as it came
+        open_cache(tmp_path, open_, recover=False)

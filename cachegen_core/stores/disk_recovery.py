@@ -7,7 +7,7 @@ damaged (:func:`damage`), it moves what diskcache owns in the directory (the dat
 journal files and the value folders, never another file) into a new ``damaged-<time>-*/`` inside it,
 logs once where it went, and opens a new, empty store there. Every process opening the directory
 recovers under one file lock, and tries again first: a process that finds the store recreated
-by another opens that one.
+by another opens that one (as does one whose first try met an I/O error: the files moved under it).
 
 What is not damage is raised as before: a locked database (another writer), a full or read-only
 disk, a directory the process may not write in. Damage found later, by a read or a write of a store
@@ -38,8 +38,8 @@ _VALUE_DIR = re.compile(r"^[0-9a-f]{2}$")
 LOCK_NAME = ".recovery.lock"
 #: How long a process waits for another one's recovery (moving files within one directory: instant).
 LOCK_TIMEOUT_S = 60.0
-# SQLite's primary result codes for a damaged file and for one it cannot open.
-_CORRUPT, _CANTOPEN, _NOTADB = 11, 14, 26
+# SQLite's primary result codes: an I/O error, a damaged file, one it cannot open, one that is not a database.
+_IOERR, _CORRUPT, _CANTOPEN, _NOTADB = 10, 11, 14, 26
 
 T = TypeVar("T")
 
@@ -64,6 +64,13 @@ def damage(exc: BaseException, directory: Path) -> str | None:
     return None
 
 
+def _io_error(exc: sqlite3.DatabaseError) -> bool:
+    """SQLite's I/O error: what an opener meets when another process moves the damaged files aside under it (tried
+    again under the recovery lock, once the move is done; raised if it comes again)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF == _IOERR
+
+
 def move_aside(directory: Path) -> Path:
     """Move the database files and value folders of the store in ``directory`` into a new ``damaged-*`` folder there."""
     aside = Path(tempfile.mkdtemp(prefix=f"damaged-{time.strftime('%Y%m%d-%H%M%S')}-", dir=directory))
@@ -80,7 +87,7 @@ def open_cache(directory: Path, open_: Callable[[], T], *, recover: bool) -> T:
     try:
         return open_()
     except sqlite3.DatabaseError as exc:
-        if not recover or damage(exc, directory) is None:
+        if not recover or (damage(exc, directory) is None and not _io_error(exc)):
             raise
     with FileLock(str(directory / LOCK_NAME), timeout=LOCK_TIMEOUT_S):
         try:
