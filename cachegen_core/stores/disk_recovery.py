@@ -50,9 +50,7 @@ def damage(exc: BaseException, directory: Path) -> str | None:
     (a directory or a dangling link in its place, an unreadable file)."""
     if not isinstance(exc, sqlite3.DatabaseError):
         return None
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        code &= 0xFF  # extended codes carry the primary one in their low byte
+    code = _primary_code(exc)
     if code in (_CORRUPT, _NOTADB):
         return str(exc)
     db = directory / DB_NAME
@@ -64,11 +62,16 @@ def damage(exc: BaseException, directory: Path) -> str | None:
     return None
 
 
+def _primary_code(exc: sqlite3.DatabaseError) -> int | None:
+    """SQLite's primary result code of ``exc`` (extended codes carry it in their low byte); None when it has none."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return None if code is None else code & 0xFF
+
+
 def _io_error(exc: sqlite3.DatabaseError) -> bool:
     """SQLite's I/O error: what an opener meets when another process moves the damaged files aside under it (tried
     again under the recovery lock, once the move is done; raised if it comes again)."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    return code is not None and code & 0xFF == _IOERR
+    return _primary_code(exc) == _IOERR
 
 
 def move_aside(directory: Path) -> Path:
