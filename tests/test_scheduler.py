@@ -11,7 +11,7 @@ import pytest
 
 from cachegen_core.engine import KVEngine
 from cachegen_core import EngineBusy, TooLarge
-from cachegen_core.engine.serving.request import Job
+from cachegen_core.engine.serving.request import Job, State
 from cachegen_core.engine.serving.turns import Turns
 from cachegen_core.stores.memory import MemoryStore
 from cachegen_core.testing import words
@@ -106,6 +106,25 @@ def test_requests_joining_together_share_one_decode_steps_worth_of_prompt_tokens
     assert s._pieces(3, joining) == [(joining[0], 25), (joining[1], 16)]  # no piece under MIN_PIECE tokens
     s.decode_s = 0.0  # no decode step timed yet: PROBE tokens
     assert s._pieces(3, joining[1:]) == [(joining[1], 64)]
+
+
+def test_pieces_shrink_when_they_take_longer_than_the_prefill_cost_predicts(tiny_llama, tiny_tokenizer):
+    s = _engine(tiny_llama, tiny_tokenizer).scheduler
+    s.prefill_seconds = lambda tokens, position: 1e-4 * tokens  # predicted: 0.1 ms a prompt token
+    s.decode_s = 0.008
+    job, decoding = Job(list(range(10_000)), None, 0), Job([1], None, 0)  # type: ignore[arg-type]
+    job.pending, job.state, decoding.state = len(job.ids), State.PREFILLING, State.DECODING
+    assert s._pieces(1, [job]) == [(job, 80)]
+    # each step: a decode step, then its pieces at 0.3 ms a token (three times the prediction)
+    s._forward = lambda d, p: time.sleep(s.decode_s + 3e-4 * sum(n for _, n in p))  # type: ignore[method-assign]
+    for _ in range(12):
+        s._step([decoding, job])
+    assert 2.5 < s.piece_scale < 4.5  # learnt from the steps (a sleep only overshoots)
+    assert 16 <= s._pieces(1, [job])[0][1] <= 32  # a decode step's worth at the measured cost
+    s.piece_scale = 1.0
+    s._forward = lambda d, p: None  # type: ignore[method-assign]  # a step quicker than a decode step: ratio floored
+    s._step([decoding, job])
+    assert s.piece_scale == pytest.approx(1.0 + 0.3 * (0.1 - 1.0))
 
 
 def test_cancelling_one_request_leaves_the_others_answers_unchanged(tiny_llama, tiny_tokenizer):

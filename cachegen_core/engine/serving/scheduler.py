@@ -4,8 +4,9 @@ Continuous batching (Orca, vLLM): requests join and leave between steps. Each st
 (``model/packed.py``) holding every decoding request's next token and, within a budget of tokens, pieces of the
 prompts still being computed (a joining request's uncached tail, a text chunk a stream recomputes, a document),
 first come first served. While requests decode, the pieces of a step together take about one decode step (from the
-prefill's cost the engine measured, at each piece's place in its prompt: later tokens attend to more), so requests
-joining hold the others' next token up by about one step, however many join; with nothing decoding a step takes up
+prefill's cost the engine measured, at each piece's place in its prompt: later tokens attend to more, corrected by
+what pieces beside decoding requests took in recent steps), so requests joining hold the others' next token up by
+about one step, however many join; with nothing decoding a step takes up
 to :data:`MAX_PIECE` prompt tokens. Each request picks its next token by its own
 :class:`~..model.decoding.Decoding` (greedy ones in one op); a request that ends (a stop, its length, its
 cancel event, an error) leaves at once, the others go on. A step that raises is run again request by request, so a
@@ -45,6 +46,8 @@ MIN_PIECE = 16
 PROBE = 64
 #: Most requests decoding together (a request past it waits for one to leave).
 MAX_BATCH = 256
+#: Weight of the newest step in the pieces' correction (their measured over their predicted seconds).
+LEARN = 0.3
 _SCHEDULERS: weakref.WeakSet[Scheduler] = weakref.WeakSet()
 
 
@@ -78,6 +81,10 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.steps = self.batched_steps = 0
         self.decode_s = 0.0  # last decode-only step's seconds
+        # what pieces beside decoding requests took over what the prefill's cost predicted (their own prompt alone):
+        # deep in a long prompt, and beside a batch, a piece costs more than the fit says; an average of recent steps
+        self.piece_scale = 1.0
+        self._predicted = 0.0  # the predicted seconds of the pieces of the step in hand
         self.trace: deque[tuple[float, float, int, int]] = deque(maxlen=4096)  # (start, seconds, decoding, prompt tokens)
         self._closing = False  # the interpreter is exiting: step no more
         _SCHEDULERS.add(self)
@@ -187,14 +194,16 @@ class Scheduler:
         waits about one step more."""
         tokens, seconds, pieces = MAX_PIECE, self.decode_s, []
         timed = decoding and self.prefill_seconds is not None
+        self._predicted = 0.0
         for j in prefilling:
             if tokens < MIN_PIECE or (timed and pieces and seconds <= 0):
                 break
             n = min(j.pending, tokens)
             if timed:
                 per = max(self.prefill_seconds(PROBE, j.at + len(j.ids) - j.pending) / PROBE, 1e-7)  # type: ignore[misc]
-                n = min(n, max(MIN_PIECE, int(seconds / per) if self.decode_s else PROBE))  # no step timed yet: PROBE tokens
-                seconds -= n * per
+                n = min(n, max(MIN_PIECE, int(seconds / (per * self.piece_scale)) if self.decode_s else PROBE))  # none timed: PROBE
+                seconds -= n * per * self.piece_scale
+                self._predicted += n * per
             pieces.append((j, n))
             tokens -= n
         return pieces
@@ -227,6 +236,9 @@ class Scheduler:
         self.batched_steps += len(decoding) + len(pieces) > 1
         if decoding and not pieces:
             self.decode_s = seconds
+        elif decoding and self.decode_s and self._predicted > 0:  # what the pieces took: the step less a decode step
+            ratio = min(max((seconds - self.decode_s) / self._predicted, 0.1), 10.0)
+            self.piece_scale += LEARN * (ratio - self.piece_scale)
         elif len(pieces) == 1 and not decoding and self.observe_prefill is not None:
             j, n = pieces[0]
             self.observe_prefill(n, j.at + len(j.ids) - j.pending - n, seconds)
