@@ -106,6 +106,15 @@ def test_requests_joining_together_share_one_decode_steps_worth_of_prompt_tokens
     assert s._pieces(3, joining) == [(joining[0], 25), (joining[1], 16)]  # no piece under MIN_PIECE tokens
     s.decode_s = 0.0  # no decode step timed yet: PROBE tokens
     assert s._pieces(3, joining[1:]) == [(joining[1], 64)]
+    s._decode_by = {1: 0.030, 8: 0.050}  # decode steps timed by how many decoded: the budget is theirs
+    assert s._pieces(8, joining[1:]) == [(joining[1], 50)] and s.step_s(5) == 0.030 and s.step_s(9) == 0.050
+    joining[1].pending = 60  # a piece leaves no remainder under MIN_PIECE tokens for a step of its own
+    assert s._pieces(8, joining[1:2]) == [(joining[1], 60)]
+    long, question = Job(list(range(5000)), None, 0), Job(list(range(20)), None, 0)  # type: ignore[arg-type]
+    long.pending, question.pending = 5000, 20
+    assert s._pieces(0, [long]) == [(long, 1000)]  # nothing decoding: about MAX_STEP_S (1 s) of a long prompt
+    assert s._pieces(0, [long, question]) == [(question, 20), (long, 980)]  # a question arriving after it goes first
+    assert s._pieces(8, [long, question]) == [(question, 20), (long, 30)]
 
 
 def test_pieces_shrink_when_they_take_longer_than_the_prefill_cost_predicts(tiny_llama, tiny_tokenizer):

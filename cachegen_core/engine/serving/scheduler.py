@@ -2,15 +2,15 @@
 
 Continuous batching (Orca, vLLM): requests join and leave between steps. Each step is one packed forward
 (``model/packed.py``) holding every decoding request's next token and, within a budget of tokens, pieces of the
-prompts still being computed (a joining request's uncached tail, a text chunk a stream recomputes, a document),
-first come first served. While requests decode, the pieces of a step together take about one decode step (from the
-prefill's cost the engine measured, at each piece's place in its prompt: later tokens attend to more, corrected by
-what pieces beside decoding requests took in recent steps), so requests joining hold the others' next token up by
-about one step, however many join; with nothing decoding a step takes up
-to :data:`MAX_PIECE` prompt tokens. Each request picks its next token by its own
-:class:`~..model.decoding.Decoding` (greedy ones in one op); a request that ends (a stop, its length, its
-cancel event, an error) leaves at once, the others go on. A step that raises is run again request by request, so a
-failing request fails alone.
+prompts still being computed (a joining request's uncached tail, a text chunk a stream recomputes, a document), a
+short tail (a question) first, then first come first served. While requests decode, the pieces of a step together
+take about one decode step (from the prefill's cost the engine measured, at each piece's place in its prompt: later
+tokens attend to more, corrected by what pieces beside decoding requests took in recent steps), so requests joining
+hold the others' next token up by about one step, however many join; with nothing decoding a step takes up to
+:data:`MAX_PIECE` prompt tokens and about :data:`MAX_STEP_S` (a request arriving behind a long prompt does not wait
+for all of it). Each request picks its next token by its own :class:`~..model.decoding.Decoding` (greedy ones in one
+op); a request that ends (a stop, its length, its cancel event, an error) leaves at once, the others go on. A step
+that raises is run again request by request, so a failing request fails alone.
 
 The step holds :attr:`Scheduler.lock`; other model work takes it between steps: :meth:`Scheduler.exclusive` for the
 engine's own calls that are not steps (the blend, a request ``generate`` must serve), and background work through
@@ -42,6 +42,10 @@ log = logging.getLogger("cachegen_core.engine")
 MAX_PIECE = 4096
 #: Fewest prompt tokens a step gives a piece while requests decode.
 MIN_PIECE = 16
+#: Most seconds the pieces of a step take while nothing decodes (at the prefill's cost): a request arriving behind a
+#: long prompt waits about this long at most, not for the whole prompt (on 2 cores, ~0.5-1 s pieces of a few hundred
+#: tokens cost about what one long step does a token).
+MAX_STEP_S = 1.0
 #: Tokens the prefill's cost per token is read at (its fit, at the piece's position).
 PROBE = 64
 #: Most requests decoding together (a request past it waits for one to leave).
@@ -81,6 +85,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.steps = self.batched_steps = 0
         self.decode_s = 0.0  # last decode-only step's seconds
+        self._decode_by: dict[int, float] = {}  # the last decode-only step's seconds, by how many requests decoded
         # what pieces beside decoding requests took over what the prefill's cost predicted (their own prompt alone):
         # deep in a long prompt, and beside a batch, a piece costs more than the fit says; an average of recent steps
         self.piece_scale = 1.0
@@ -188,25 +193,35 @@ class Scheduler:
             job.streamer.end()
 
     def _pieces(self, decoding: int, prefilling: list[Job]) -> list[tuple[Job, int]]:
-        """The prompt tokens each prefilling job computes this step, first come first served: up to :data:`MAX_PIECE`
-        in all, and while requests decode about one decode step's worth in all (each token costed at its place in
-        its prompt: later tokens attend to more), so that however many requests join, the decoding ones' next token
-        waits about one step more."""
-        tokens, seconds, pieces = MAX_PIECE, self.decode_s, []
-        timed = decoding and self.prefill_seconds is not None
+        """The prompt tokens each prefilling job computes this step: those with at most :data:`PROBE` tokens left (a
+        question after a cached context) first, then first come first served; up to :data:`MAX_PIECE` in all, and
+        while requests decode about one decode step's worth in all (each token costed at its place in its prompt:
+        later tokens attend to more), so that however many requests join, the decoding ones' next token waits about
+        one step more; with none decoding, about :data:`MAX_STEP_S` at most."""
+        tokens, pieces = MAX_PIECE, []
+        seconds, scale = (self.step_s(decoding), self.piece_scale) if decoding else (MAX_STEP_S, 1.0)
+        timed = self.prefill_seconds is not None
         self._predicted = 0.0
-        for j in prefilling:
+        for j in sorted(prefilling, key=lambda j: j.pending > PROBE):  # short tails (a question) before long prompts
             if tokens < MIN_PIECE or (timed and pieces and seconds <= 0):
                 break
             n = min(j.pending, tokens)
             if timed:
                 per = max(self.prefill_seconds(PROBE, j.at + len(j.ids) - j.pending) / PROBE, 1e-7)  # type: ignore[misc]
-                n = min(n, max(MIN_PIECE, int(seconds / (per * self.piece_scale)) if self.decode_s else PROBE))  # none timed: PROBE
-                seconds -= n * per * self.piece_scale
+                n = min(n, max(MIN_PIECE, int(seconds / (per * scale)) if seconds else PROBE))  # no decode step timed: PROBE
+                if j.pending - n < MIN_PIECE:  # no piece under MIN_PIECE tokens left behind for a step of its own
+                    n = j.pending
+                seconds -= n * per * scale
                 self._predicted += n * per
             pieces.append((j, n))
             tokens -= n
         return pieces
+
+    def step_s(self, decoding: int) -> float:
+        """A decode step's seconds for ``decoding`` requests: the last such step, else the last of fewer requests, else
+        the last decode step (0.0: none timed yet)."""
+        fewer = [n for n in self._decode_by if n <= decoding]
+        return self._decode_by[decoding] if decoding in self._decode_by else self._decode_by[max(fewer)] if fewer else self.decode_s
 
     def _step(self, jobs: list[Job]) -> None:
         for j in jobs:
@@ -235,9 +250,9 @@ class Scheduler:
         self.steps += 1
         self.batched_steps += len(decoding) + len(pieces) > 1
         if decoding and not pieces:
-            self.decode_s = seconds
-        elif decoding and self.decode_s and self._predicted > 0:  # what the pieces took: the step less a decode step
-            ratio = min(max((seconds - self.decode_s) / self._predicted, 0.1), 10.0)
+            self.decode_s = self._decode_by[len(decoding)] = seconds
+        elif decoding and self._predicted > 0 and self.step_s(len(decoding)):  # what the pieces took: the step less a decode step
+            ratio = min(max((seconds - self.step_s(len(decoding))) / self._predicted, 0.1), 10.0)
             self.piece_scale += LEARN * (ratio - self.piece_scale)
         elif len(pieces) == 1 and not decoding and self.observe_prefill is not None:
             j, n = pieces[0]
