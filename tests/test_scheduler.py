@@ -113,7 +113,7 @@ def test_requests_joining_together_share_one_decode_steps_worth_of_prompt_tokens
     long, question = Job(list(range(5000)), None, 0), Job(list(range(20)), None, 0)  # type: ignore[arg-type]
     long.pending, question.pending = 5000, 20
     assert s._pieces(0, [long]) == [(long, 1000)]  # nothing decoding: about MAX_STEP_S (1 s) of a long prompt
-    assert s._pieces(0, [long, question]) == [(question, 20), (long, 980)]  # a question arriving after it goes first
+    assert s._pieces(0, [long, question]) == [(question, 20)]  # a question arriving after it goes first, alone
     assert s._pieces(8, [long, question]) == [(question, 20), (long, 30)]
 
 

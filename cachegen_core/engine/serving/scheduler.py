@@ -197,20 +197,25 @@ class Scheduler:
         question after a cached context) first, then first come first served; up to :data:`MAX_PIECE` in all, and
         while requests decode about one decode step's worth in all (each token costed at its place in its prompt:
         later tokens attend to more), so that however many requests join, the decoding ones' next token waits about
-        one step more; with none decoding, about :data:`MAX_STEP_S` at most."""
+        one step more; with none decoding, about :data:`MAX_STEP_S` at most, and no piece of a long prompt beside short
+        tails (so their first token comes after their own prefill, not a long prompt's piece)."""
         tokens, pieces = MAX_PIECE, []
         seconds, scale = (self.step_s(decoding), self.piece_scale) if decoding else (MAX_STEP_S, 1.0)
         timed = self.prefill_seconds is not None
         self._predicted = 0.0
+        short = False  # a short tail is computed this step
         for j in sorted(prefilling, key=lambda j: j.pending > PROBE):  # short tails (a question) before long prompts
             if tokens < MIN_PIECE or (timed and pieces and seconds <= 0):
                 break
+            if short and not decoding and j.pending > PROBE:  # their first token not held up by a long prompt's piece:
+                break  # it goes on next step, beside them decoding
+            short = short or j.pending <= PROBE
             n = min(j.pending, tokens)
             if timed:
                 per = max(self.prefill_seconds(PROBE, j.at + len(j.ids) - j.pending) / PROBE, 1e-7)  # type: ignore[misc]
                 n = min(n, max(MIN_PIECE, int(seconds / (per * scale)) if seconds else PROBE))  # no decode step timed: PROBE
                 if j.pending - n < MIN_PIECE:  # no piece under MIN_PIECE tokens left behind for a step of its own
-                    n = j.pending
+                    n = min(j.pending, tokens)
                 seconds -= n * per * scale
                 self._predicted += n * per
             pieces.append((j, n))
