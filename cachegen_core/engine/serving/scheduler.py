@@ -223,10 +223,10 @@ class Scheduler:
         return pieces
 
     def step_s(self, decoding: int) -> float:
-        """A decode step's seconds for ``decoding`` requests: the last such step, else the last of fewer requests, else
-        the last decode step (0.0: none timed yet)."""
-        fewer = [n for n in self._decode_by if n <= decoding]
-        return self._decode_by[decoding] if decoding in self._decode_by else self._decode_by[max(fewer)] if fewer else self.decode_s
+        """A decode step's seconds for ``decoding`` requests: the last such step, else the last of the most requests
+        fewer, else the last decode step (0.0: none timed yet)."""
+        timed = [n for n in self._decode_by if n <= decoding]
+        return self._decode_by[max(timed)] if timed else self.decode_s
 
     def _step(self, jobs: list[Job]) -> None:
         for j in jobs:
