@@ -192,8 +192,9 @@ def test_the_fitter_first_weights_an_engines_steps_by_each_layers_sensitivity(ti
     fitter scales them by each (kind, layer)'s measured sensitivity (issue 48), which the engine codes with from then
     on: its chunk keys stay, its chunks decode, a warm request reuses them."""
     spec = RotarySpec.from_model(tiny_llama)
-    eng = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=64, background=False, level=2, store_options=[2],
-                   allow_text=False)  # the stored chunks, never the text a tiny model recomputes as fast
+    eng = KVEngine(
+        tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=64, background=False, level=2, store_options=[2], allow_text=False
+    )  # the stored chunks, never the text a tiny model recomputes as fast
     w = fit_weights(tiny_llama, tiny_tokenizer, tiny_texts()[0], rotary=spec)
     eng.codec.step_weights = w
     prompt = words(3, 200)
