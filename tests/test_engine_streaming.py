@@ -137,7 +137,7 @@ def test_batch_shares_fetched_chunks(tiny_llama, tiny_tokenizer):
 
 
 def test_prefill_prior_is_replaced_by_the_first_measurement_and_then_fitted_by_position(tiny_llama, tiny_tokenizer):
-    e = engine(tiny_llama, tiny_tokenizer, MemoryStore())
+    e = engine(tiny_llama, tiny_tokenizer, MemoryStore(), allow_text=False)  # the cached chunks read, never recomputed beside the tail
     prior = e.cost_model.prefill_seconds(CHUNK, 0)
     assert not e.cost_model.prefill_measured
     measured = []
