@@ -254,10 +254,11 @@ class Scheduler:
         self.trace.append((t, seconds, len(decoding), sum(n for _, n in pieces)))
         self.steps += 1
         self.batched_steps += len(decoding) + len(pieces) > 1
+        decode = self.step_s(len(decoding)) if decoding else 0.0
         if decoding and not pieces:
             self.decode_s = self._decode_by[len(decoding)] = seconds
-        elif decoding and self._predicted > 0 and self.step_s(len(decoding)):  # what the pieces took: the step less a decode step
-            ratio = min(max((seconds - self.step_s(len(decoding))) / self._predicted, 0.1), 10.0)
+        elif decode and self._predicted > 0:  # what the pieces took: the step less a decode step
+            ratio = min(max((seconds - decode) / self._predicted, 0.1), 10.0)
             self.piece_scale += LEARN * (ratio - self.piece_scale)
         elif len(pieces) == 1 and not decoding and self.observe_prefill is not None:
             j, n = pieces[0]
