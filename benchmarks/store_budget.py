@@ -159,7 +159,8 @@ def _measure_rag(model: Any, tok: Any, docs: list[list[int]], reps: int, tmp: Pa
     prompt = build(tok, docs)
     cold = engine(model, tok, store=disk(tmp / "rag-cold"), level="raw", store_options=["raw"], background=False)
     miss = cold.generate(prompt.ids, max_new_tokens=1)[1].ttft_s
-    warm = engine(model, tok, store=disk(tmp / "rag"), level="raw", store_options=["raw"], background=False)
+    # text off: the hit reads every stored document (on a tiny model the controller may rightly prefer recomputing)
+    warm = engine(model, tok, store=disk(tmp / "rag"), level="raw", store_options=["raw"], background=False, allow_text=False)
     warm.store_documents(docs)
     runs = []
     for _ in range(1 + reps):
