@@ -2,7 +2,8 @@
 the answers checked against each request alone, beside what plain transformers' batching allows here (the ceiling).
 
     python -m benchmarks.concurrency [--quick] [--users 1 2 4 8 16] [--new-tokens 16 64] [--modes threads asyncio]
-        [--workloads shared own own-short mixed] [--store memory|disk|redis] [--requests-per-user N] [--no-ceiling]
+        [--workloads shared own own-short mixed] [--store memory|disk|redis] [--requests-per-user N] [--baseline-requests N]
+        [--no-ceiling]
         [--plot F.png] [--data F] [--model M] [--device D] [--out F]
 
 Workloads (LongChat transcripts cut to a number of tokens, each prompt followed by a question of its user):
@@ -19,7 +20,9 @@ follows timings), so an answer differs only by batching. Each timed run starts o
 is written and the background probes their streams asked for have run.
 Then, for each mode (U threads calling ``KVEngine.generate``; U asyncio tasks awaiting ``CacheGenLLM.agenerate``) and
 number of users U, each user sends ``--requests-per-user`` requests one after another (a cold one in ``mixed`` is
-on a context that was never stored). One row per (workload, new tokens, mode, users): ``requests_per_min``,
+on a context that was never stored); the one user of U = 1 sends at least ``--baseline-requests`` (the prompts of as
+many users as that takes, one after another): every speedup divides by its rate, so it must not rest on two requests.
+One row per (workload, new tokens, mode, users): ``requests_per_min``,
 ``tokens_per_s``, ``speedup`` (over 1 user of the same mode), ``ttft_p50_s``/``ttft_p95_s`` (the first token as
 the user waits for it, queueing included) and total latency, ``mismatches`` (answers unlike the sequential run's),
 ``near_ties`` (of them, those whose first differing token followed a gap under ``NEAR_TIE`` between the sequential
@@ -179,7 +182,8 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
     for new in args.new_tokens:
         gen = {"max_new_tokens": new, "min_new_tokens": new}  # every answer its full length
         llm = CacheGenLLM(engine=engine, generation_kwargs=gen)
-        every = workload_prompts(tok, texts, name, max(args.users), args.requests_per_user)
+        alone = -(-args.baseline_requests // args.requests_per_user)  # the users whose prompts the 1-user run sends
+        every = workload_prompts(tok, texts, name, max(*args.users, alone), args.requests_per_user)
         warm = sorted({p for mine in every.warm for p in mine if p not in every.cold})
         for p in warm:
             engine.generate(p, max_new_tokens=1)  # stored before the run (the prompt's KV: what is generated is not stored)
@@ -191,7 +195,10 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
             base = None
             for users in args.users:
                 runs += 1
-                run = workload_prompts(tok, texts, name, users, args.requests_per_user, run=runs)
+                run = workload_prompts(tok, texts, name, alone if users == 1 else users, args.requests_per_user, run=runs)
+                if users == 1:
+                    run = Prompts([[p for mine in run.warm for p in mine]], run.cold)
+                sent = sum(map(len, run.warm))
                 t = time.perf_counter()
                 answers, failures = run_threads(engine, run.warm, gen) if mode == "threads" else run_asyncio(llm, run.warm, new)
                 wall = time.perf_counter() - t
@@ -199,7 +206,7 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
                 engine.prober.join(120)  # and the background probes its streams asked for are done (as warm_path)
                 r = {"workload": name, "context_tokens": tokens, "new_tokens": new, "mode": mode, "users": users,
                      "cold_requests": sum(p in run.cold for mine in run.warm for p in mine)}  # fmt: skip
-                r.update(row(answers, failures, wall, users * args.requests_per_user, reference, model, tok))
+                r.update(row(answers, failures, wall, sent, reference, model, tok))
                 base = base or r["requests_per_min"]
                 r["speedup"] = round(r["requests_per_min"] / base, 3)
                 if args.ceiling and name != "mixed":
@@ -266,6 +273,7 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--form", default="raw", type=lambda v: v if v in ("raw", "lossless") else int(v),
                     help="the one form stored and read: raw (default) or a level")  # fmt: skip
     ap.add_argument("--requests-per-user", type=int, default=2)
+    ap.add_argument("--baseline-requests", type=int, default=6, metavar="N", help="the 1-user run sends at least N requests")
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip plain transformers' steps")
     ap.add_argument("--context-scale", type=float, default=1.0, help="scale every workload's context tokens (tests)")
     ap.add_argument("--join", type=int, default=4096, metavar="TOKENS", help="then a cold prompt of TOKENS joining 8 decoding (0: not)")
@@ -295,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = KVEngine.from_pretrained(model, tokenizer=tok, store=store, background=True, progress=False, allow_text=False,
                                           level=args.form, store_options=[args.form])  # fmt: skip
         out.emit({"model": args.model, "device": args.device, "store": args.store, "form": args.form, "torch_threads": torch.get_num_threads(),
-                  "kv_memory": engine.memory.limit, "requests_per_user": args.requests_per_user})  # fmt: skip
+                  "kv_memory": engine.memory.limit, "requests_per_user": args.requests_per_user,
+                  "baseline_requests": max(args.baseline_requests, args.requests_per_user)})  # fmt: skip
         ceilings: dict = {}
         for name in args.workloads:
             workload(engine, model, tok, texts, name, args, out, ceilings)
