@@ -27,7 +27,7 @@ One row per (workload, new tokens, mode, users): ``requests_per_min``,
 the user waits for it, queueing included) and total latency, ``mismatches`` (answers unlike the sequential run's),
 ``near_ties`` (of them, those whose first differing token followed a gap under ``NEAR_TIE`` between the sequential
 run's top two logits), ``errors``, ``lost``, and ``ceiling``: U decode steps of plain transformers on the workload's
-KV at once over one (``benchmarks/ceiling.py``), ``of_ceiling`` = speedup / ceiling. Last, a ``join`` row: 8 users
+KV at once over one (``benchmarks/ceiling.py``; after the workload's timed runs, not between them), ``of_ceiling`` = speedup / ceiling. Last, a ``join`` row: 8 users
 decoding on their own short contexts while a cold prompt of ``--join`` tokens arrives: their decode step alone, the
 steps that also computed a piece of its prompt, and the most one of those held their next token up, in decode steps.
 """
@@ -191,6 +191,7 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
         reference = {p: engine.generate(p, **gen)[0] for p in warm}  # the sequential run
         engine.flush()
         engine.prober.join(120)
+        timed = []
         for mode in args.modes:
             base = None
             for users in args.users:
@@ -209,13 +210,16 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
                 r.update(row(answers, failures, wall, sent, reference, model, tok))
                 base = base or r["requests_per_min"]
                 r["speedup"] = round(r["requests_per_min"] / base, 3)
-                if args.ceiling and name != "mixed":
-                    seen = ceilings.setdefault((tokens, shared), {})
-                    if users not in seen:
-                        seen[users] = ceiling(model, users, tokens + 24, shared)[0] if users > 1 else 1.0
-                    r["ceiling"], r["of_ceiling"] = round(seen[users], 3), round(r["speedup"] / seen[users], 3)
-                openmp.release()  # the ceiling and near-tie checks ran torch here: this thread's OpenMP team would slow the next run
-                out.emit(r)
+                openmp.release()  # the near-tie checks ran torch here: this thread's OpenMP team would slow the next run
+                timed.append(r)
+        for r in timed:  # the ceilings after every timed run: plain transformers' big caches between them slowed the next
+            if args.ceiling and name != "mixed":
+                seen = ceilings.setdefault((tokens, shared), {})
+                if r["users"] not in seen:
+                    seen[r["users"]] = ceiling(model, r["users"], tokens + 24, shared)[0] if r["users"] > 1 else 1.0
+                r["ceiling"], r["of_ceiling"] = round(seen[r["users"]], 3), round(r["speedup"] / seen[r["users"]], 3)
+            out.emit(r)
+        openmp.release()
 
 
 def join_row(engine: Any, tok: Any, texts: list[str], users: int, cold_tokens: int, new: int) -> dict[str, Any]:
