@@ -3,8 +3,7 @@ the answers checked against each request alone, beside what plain transformers' 
 
     python -m benchmarks.concurrency [--quick] [--users 1 2 4 8 16] [--new-tokens 16 64] [--modes threads asyncio]
         [--workloads shared own own-short mixed] [--store memory|disk|redis] [--requests-per-user N] [--baseline-requests N]
-        [--no-ceiling]
-        [--plot F.png] [--data F] [--model M] [--device D] [--out F]
+        [--no-ceiling] [--plot F.png] [--data F] [--model M] [--device D] [--out F]
 
 Workloads (LongChat transcripts cut to a number of tokens, each prompt followed by a question of its user):
 
@@ -182,7 +181,7 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
     for new in args.new_tokens:
         gen = {"max_new_tokens": new, "min_new_tokens": new}  # every answer its full length
         llm = CacheGenLLM(engine=engine, generation_kwargs=gen)
-        alone = -(-args.baseline_requests // args.requests_per_user)  # the users whose prompts the 1-user run sends
+        alone = baseline_users(args)
         every = workload_prompts(tok, texts, name, max(*args.users, alone), args.requests_per_user)
         warm = sorted({p for mine in every.warm for p in mine if p not in every.cold})
         for p in warm:
@@ -220,6 +219,11 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
                 r["ceiling"], r["of_ceiling"] = round(seen[r["users"]], 3), round(r["speedup"] / seen[r["users"]], 3)
             out.emit(r)
         openmp.release()
+
+
+def baseline_users(args: Any) -> int:
+    """The users whose prompts the 1-user run sends one after another: at least ``--baseline-requests`` requests."""
+    return max(1, -(-args.baseline_requests // args.requests_per_user))
 
 
 def join_row(engine: Any, tok: Any, texts: list[str], users: int, cold_tokens: int, new: int) -> dict[str, Any]:
@@ -308,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                                           level=args.form, store_options=[args.form])  # fmt: skip
         out.emit({"model": args.model, "device": args.device, "store": args.store, "form": args.form, "torch_threads": torch.get_num_threads(),
                   "kv_memory": engine.memory.limit, "requests_per_user": args.requests_per_user,
-                  "baseline_requests": max(args.baseline_requests, args.requests_per_user)})  # fmt: skip
+                  "baseline_requests": baseline_users(args) * args.requests_per_user})  # fmt: skip
         ceilings: dict = {}
         for name in args.workloads:
             workload(engine, model, tok, texts, name, args, out, ceilings)

@@ -35,6 +35,7 @@ def test_every_workload_answers_as_the_sequential_run_with_nothing_lost(tiny_mod
             "--modes", "threads", "asyncio", "--context-scale", "0.05", "--join", "200", "--out", str(out), "--plot", str(tmp_path / "c.png")])  # fmt: skip
     rows = [r for r in common.results(out) if "workload" in r]
     join = [r for r in common.results(out) if "join" in r]
+    assert [r["baseline_requests"] for r in common.results(out) if "baseline_requests" in r] == [6]  # what the 1-user rows sent
     assert len(join) == 1 and join[0]["cold_prompt_tokens"] > 200 and join[0]["decode_step_s"] > 0
     assert {(r["workload"], r["mode"], r["users"]) for r in rows} == {
         (w, m, u) for w in C.WORKLOADS for m in ("threads", "asyncio") for u in (1, 2, 4)
