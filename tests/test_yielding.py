@@ -111,3 +111,38 @@ def test_stop_ends_a_paused_thread():
     assert not t.is_alive() and len(errors) == 1
     with pytest.raises(Stopped), y.active():
         torch.ones(1) * 2
+
+
+def test_a_job_queue_runs_its_jobs_in_order_on_a_thread_that_ends_with_the_work():
+    from cachegen_core.engine.serving.background import JobQueue
+
+    idle = threading.Event()
+    idle.set()
+    done, threads = [], []
+
+    def run(job: int) -> None:
+        threads.append(threading.current_thread().name)
+        done.append(job + int(torch.ones(1).item()))  # torch under the queue's Yielding
+
+    q = JobQueue(run, Yielding(idle, quiet_s=0.0), name="test-jobs")
+    q.submit([1, 2, 3])
+    assert q.join(60) and done == [2, 3, 4] and set(threads) == {"test-jobs"}
+    assert q._thread is None  # no thread while there is no work
+    idle.clear()  # a request computes: the next job waits at its first op
+    q.submit([4])
+    assert q.yielding.paused.wait(60) and done == [2, 3, 4] and not q.join(0.05)
+    q.stop(60)  # stopped while paused: the job ends at that op, and no other job is taken
+    assert q.join(60) and done == [2, 3, 4]
+    q.submit([5])
+    assert q._thread is None and q.join(0) and done == [2, 3, 4]
+
+
+def test_a_job_queue_without_a_background_thread_runs_its_jobs_when_drained():
+    from cachegen_core.engine.serving.background import JobQueue
+
+    done: list[int] = []
+    q = JobQueue(done.append, Yielding(threading.Event()), name="test-jobs", background=False)
+    q.submit([1, 2])
+    assert done == [] and q.join(0)
+    q.drain()
+    assert done == [1, 2] and q._thread is None

@@ -10,9 +10,9 @@
 The probes write into a buffer of their own, one chunk's KV on the model's device, kept (a fresh one's page faults
 would be timed) until the engine is closed.
 
-Probes run one at a time in a background thread, started when there is work and ending when there is none, under
-``Yielding``: paused before each torch op while a request computes (the model lock let go), so a request waits for
-one op at most. A probe that paused measured the pause too: it is dropped (the cost model asks again later). The first
+Probes run one at a time in a background thread (``serving/background.py``), started when there is work and ending
+when there is none, under ``Yielding``: paused before each torch op while a request computes (the model lock let go),
+so a request waits for one op at most. A probe that paused measured the pause too: it is dropped (the cost model asks again later). The first
 decode of a form in an engine runs twice and the second is timed (a GPU decoder compiles its kernels on first use); on
 a GPU the device is synchronised before the clock stops. An engine built with ``background=False`` runs its probes
 when a request has answered, before it returns (deterministic, for scripts and tests).
@@ -21,10 +21,8 @@ when a request has answered, before it returns (deterministic, for scripts and t
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +35,8 @@ from ...streaming import RAW_OPTIONS, TEXT, Option
 from ...streaming.estimators import read_fixed_s
 from ..model import hf
 from ..serving.buffers import BufferPool
-from ..serving.yielding import Stopped, Yielding, stop_at_exit
+from ..serving.background import JobQueue
+from ..serving.yielding import Yielding
 
 log = logging.getLogger("cachegen_core.engine")
 #: The largest synthetic chunk a build probe copies (bytes of its raw form).
@@ -70,65 +69,28 @@ class Prober:
     def __init__(self, engine: Any, *, background: bool = True, quiet_s: float = 0.5) -> None:
         self._engine = weakref.proxy(engine)
         self.background = background
-        self._jobs: deque[Callable[[], bool]] = deque()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self.yielding = Yielding(engine.writer.turns, self._stop, quiet_s=quiet_s, device=engine.model.device)
+        self.yielding = Yielding(engine.writer.turns, quiet_s=quiet_s, device=engine.model.device)
+        self._queue: JobQueue[Callable[[], bool]] = JobQueue(self._count, self.yielding, name="cachegen-probe", background=background)
         self._warm: set[Option] = set()
         self._buffers = BufferPool(*engine.kv_geometry, hf.model_dtype(engine.model), engine.model.device, keep=1)  # faulted once
         self.measured = self.dropped = 0
-        stop_at_exit(self)
 
     # ------------------------------------------------------------ what to probe
     def after_build(self) -> None:
         """Probe the copy of each raw form the engine stores (now, without a background thread)."""
-        self._submit([lambda o=o: self._raw_copy(o) for o in self._engine.store_options if o in RAW_OPTIONS])
+        self._queue.submit([lambda o=o: self._raw_copy(o) for o in self._engine.store_options if o in RAW_OPTIONS])
         self.drain()
 
     def after_stream(self, due: Sequence[Option], samples: Mapping[Option, Sample]) -> None:
         """Probe the options ``due`` (``CostModel.after_stream``): each stored one on its chunk of ``samples``."""
         jobs: list[Callable[[], bool]] = [lambda: self._text()] if TEXT in due else []
         jobs += [lambda o=o, s=samples[o]: self._stored(o, *s) for o in due if o != TEXT and o in samples]
-        self._submit(jobs)
-
-    def _submit(self, jobs: list[Callable[[], bool]]) -> None:
-        if not jobs or self._stop.is_set():
-            return
-        with self._lock:
-            self._jobs.extend(jobs)
-            if self.background and self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(target=self._run, name="cachegen-probe", daemon=True)
-                self._thread.start()
+        self._queue.submit(jobs)
 
     # ------------------------------------------------------------ running them
     def drain(self) -> None:
         """Run the probes queued, now, on this thread (an engine without a background thread: after each request)."""
-        if self.background:
-            return
-        while True:
-            with self._lock:
-                if not self._jobs:
-                    return
-                job = self._jobs.popleft()
-            self._count(job)
-
-    def _run(self) -> None:
-        try:
-            with self.yielding.active():
-                while not self._stop.is_set():
-                    with self._lock:
-                        if not self._jobs:
-                            self._thread = None
-                            return
-                        job = self._jobs.popleft()
-                    self._count(job)
-        except (Stopped, ReferenceError):
-            pass
-        finally:
-            with self._lock:
-                if self._thread is threading.current_thread():
-                    self._thread = None
+        self._queue.drain()
 
     def _count(self, job: Callable[[], bool]) -> None:
         try:
@@ -143,22 +105,11 @@ class Prober:
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until no probe is queued or running; False if ``timeout`` passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                thread = self._thread
-                if thread is None:
-                    return not self._jobs or not self.background
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                return False
+        return self._queue.join(timeout)
 
     def stop(self, timeout: float | None = None) -> None:
         """Run no other probe, wait for the one running (at most one op, then it stops), free the probes' buffer."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self._queue.stop(timeout)
         self._buffers.clear()
 
     # ------------------------------------------------------------ the probes

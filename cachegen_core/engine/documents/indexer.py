@@ -12,16 +12,14 @@ and ends when there is none; ``join`` waits for the queue (``KVEngine.flush`` do
 from __future__ import annotations
 
 import logging
-import threading
-import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...errors import CacheGenError, StoreError
 from ..model import hf
-from ..serving.yielding import Stopped, Yielding, stop_at_exit
+from ..serving.background import JobQueue
+from ..serving.yielding import Stopped, Yielding
 
 log = logging.getLogger("cachegen_core.engine")
 
@@ -34,48 +32,14 @@ class DocumentIndexer:
                  background: bool = True, quiet_s: float = 0.5) -> None:  # fmt: skip
         self._engine = weakref.proxy(engine)
         self.preamble, self.pieces, self.background = tuple(preamble), pieces, background
-        self._jobs: deque[list[int]] = deque()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self.yielding = Yielding(engine.writer.turns, self._stop, quiet_s=quiet_s, device=engine.model.device)
+        self.yielding = Yielding(engine.writer.turns, quiet_s=quiet_s, device=engine.model.device)
+        self._queue: JobQueue[list[int]] = JobQueue(self._one, self.yielding, name="cachegen-documents", background=background)
         self.computed = self.failed = 0
-        stop_at_exit(self)
 
     def submit(self, documents: Sequence[Sequence[int]]) -> None:
         """Queue documents to compute and store (now, without a background thread)."""
-        with self._lock:
-            self._jobs.extend(list(map(int, d)) for d in documents)
-            if self.background and self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(target=self._run, name="cachegen-documents", daemon=True)
-                self._thread.start()
-        if not self.background:
-            while self._next() is not None:
-                pass
-
-    def _next(self) -> list[int] | None:
-        with self._lock:
-            if not self._jobs:
-                return None
-            doc = self._jobs.popleft()
-        self._one(doc)
-        return doc
-
-    def _run(self) -> None:
-        try:
-            with self.yielding.active():
-                while not self._stop.is_set():
-                    with self._lock:
-                        if not self._jobs:
-                            self._thread = None
-                            return
-                    self._next()
-        except (Stopped, ReferenceError):
-            pass
-        finally:
-            with self._lock:
-                if self._thread is threading.current_thread():
-                    self._thread = None
+        self._queue.submit(list(map(int, d)) for d in documents)
+        self._queue.drain()
 
     def _one(self, doc: list[int]) -> None:
         e = self._engine
@@ -95,19 +59,8 @@ class DocumentIndexer:
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until no document is queued or being computed; False if ``timeout`` passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                thread = self._thread
-                if thread is None:
-                    return not self._jobs
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                return False
+        return self._queue.join(timeout)
 
     def stop(self, timeout: float | None = None) -> None:
         """Compute no other document (the one being computed stops at its next op)."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self._queue.stop(timeout)
