@@ -2,8 +2,8 @@
 the answers checked against each request alone, beside what plain transformers' batching allows here (the ceiling).
 
     python -m benchmarks.concurrency [--quick] [--users 1 2 4 8 16] [--new-tokens 16 64] [--modes threads asyncio]
-        [--workloads shared own own-short mixed] [--store memory|disk|redis] [--requests-per-user N] [--baseline-requests N]
-        [--no-ceiling] [--plot F.png] [--data F] [--model M] [--device D] [--out F]
+        [--workloads shared own own-short mixed] [--arrivals together staggered] [--store memory|disk|redis]
+        [--requests-per-user N] [--baseline-requests N] [--no-ceiling] [--plot F.png] [--data F] [--model M] [--device D] [--out F]
 
 Workloads (LongChat transcripts cut to a number of tokens, each prompt followed by a question of its user):
 
@@ -21,7 +21,10 @@ Then, for each mode (U threads calling ``KVEngine.generate``; U asyncio tasks aw
 number of users U, each user sends ``--requests-per-user`` requests one after another (a cold one in ``mixed`` is
 on a context that was never stored); the one user of U = 1 sends at least ``--baseline-requests`` (the prompts of as
 many users as that takes, one after another): every speedup divides by its rate, so it must not rest on two requests.
-One row per (workload, new tokens, mode, users): ``requests_per_min``,
+The users start together (``--arrivals together``: with answers of one length they stay in step, each request arriving
+with U - 1 others, their questions' prefills queued behind each other's), or ``staggered``: user u starts u / U of a
+lone request's time (the 1-user run's median latency) after the first, as a service's users arrive at their own times.
+One row per (workload, new tokens, mode, arrivals, users): ``start_gap_s`` (0 together), ``requests_per_min``,
 ``tokens_per_s``, ``speedup`` (over 1 user of the same mode), ``ttft_p50_s``/``ttft_p95_s`` (the first token as
 the user waits for it, queueing included) and total latency, ``mismatches`` (answers unlike the sequential run's),
 ``near_ties`` (of them, those whose first differing token followed a gap under ``NEAR_TIE`` between the sequential
@@ -103,11 +106,14 @@ def near_tie(model: Any, tok: Any, prompt: str, reference: str, answer: str) -> 
     return float(top[0] - top[1])
 
 
-def run_threads(engine: Any, users: list[list[str]], gen: dict[str, Any]) -> tuple[list[tuple[str, str, Any]], list[BaseException]]:
-    """Each user a thread sending its prompts one after another; (prompt, text, info) per answer, and the failures."""
+def run_threads(engine: Any, users: list[list[str]], gen: dict[str, Any], gap: float = 0.0) -> tuple[list[tuple[str, str, Any]], list[BaseException]]:
+    """Each user a thread sending its prompts one after another, user u from ``u * gap`` seconds on; (prompt, text,
+    info) per answer, and the failures."""
     out, failures, lock = [], [], threading.Lock()
+    t0 = time.perf_counter()
 
-    def user(prompts: list[str]) -> None:
+    def user(u: int, prompts: list[str]) -> None:
+        time.sleep(max(0.0, t0 + u * gap - time.perf_counter()))
         for p in prompts:
             try:
                 text, info = engine.generate(p, **gen)
@@ -118,7 +124,7 @@ def run_threads(engine: Any, users: list[list[str]], gen: dict[str, Any]) -> tup
             with lock:
                 out.append((p, text, info))
 
-    pool = [threading.Thread(target=user, args=(mine,)) for mine in users]
+    pool = [threading.Thread(target=user, args=(u, mine)) for u, mine in enumerate(users)]
     for t in pool:
         t.start()
     for t in pool:
@@ -126,13 +132,15 @@ def run_threads(engine: Any, users: list[list[str]], gen: dict[str, Any]) -> tup
     return out, failures
 
 
-def run_asyncio(llm: Any, users: list[list[str]], new_tokens: int) -> tuple[list[tuple[str, str, Any]], list[BaseException]]:
-    """Each user an asyncio task awaiting ``llm.agenerate`` for its prompts one after another."""
+def run_asyncio(llm: Any, users: list[list[str]], new_tokens: int, gap: float = 0.0) -> tuple[list[tuple[str, str, Any]], list[BaseException]]:
+    """Each user an asyncio task awaiting ``llm.agenerate`` for its prompts one after another, user u from ``u * gap``
+    seconds on."""
     from cachegen_core.engine import GenerationInfo  # noqa: PLC0415
 
     out, failures = [], []
 
-    async def user(prompts: list[str]) -> None:
+    async def user(u: int, prompts: list[str]) -> None:
+        await asyncio.sleep(u * gap)
         for p in prompts:
             try:
                 result = await llm.agenerate([p], max_tokens=new_tokens)
@@ -144,7 +152,7 @@ def run_asyncio(llm: Any, users: list[list[str]], new_tokens: int) -> tuple[list
             out.append((p, g.text, info))
 
     async def main() -> None:
-        await asyncio.gather(*(user(mine) for mine in users))
+        await asyncio.gather(*(user(u, mine) for u, mine in enumerate(users)))
 
     asyncio.run(main())
     return out, failures
@@ -192,23 +200,26 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
         engine.prober.join(120)
         timed = []
         for mode in args.modes:
-            base = None
-            for users in args.users:
+            base: dict[str, Any] | None = None
+            for arrivals, users in [(a, u) for a in args.arrivals for u in args.users if a == args.arrivals[0] or u > 1]:
                 runs += 1
                 run = workload_prompts(tok, texts, name, alone if users == 1 else users, args.requests_per_user, run=runs)
                 if users == 1:
                     run = Prompts([[p for mine in run.warm for p in mine]], run.cold)
+                elif arrivals == "staggered" and base is None:
+                    raise SystemExit("--arrivals staggered needs the 1-user run first (--users 1 ...)")
+                gap = base["total_p50_s"] / users if arrivals == "staggered" and base else 0.0
                 sent = sum(map(len, run.warm))
                 t = time.perf_counter()
-                answers, failures = run_threads(engine, run.warm, gen) if mode == "threads" else run_asyncio(llm, run.warm, new)
+                answers, failures = run_threads(engine, run.warm, gen, gap) if mode == "threads" else run_asyncio(llm, run.warm, new, gap)
                 wall = time.perf_counter() - t
                 engine.flush()  # what the run stored is written before the next one is timed
                 engine.prober.join(120)  # and the background probes its streams asked for are done (as warm_path)
-                r = {"workload": name, "context_tokens": tokens, "new_tokens": new, "mode": mode, "users": users,
-                     "cold_requests": sum(p in run.cold for mine in run.warm for p in mine)}  # fmt: skip
+                r = {"workload": name, "context_tokens": tokens, "new_tokens": new, "mode": mode, "arrivals": arrivals,
+                     "start_gap_s": round(gap, 4), "users": users, "cold_requests": sum(p in run.cold for mine in run.warm for p in mine)}  # fmt: skip
                 r.update(row(answers, failures, wall, sent, reference, model, tok))
-                base = base or r["requests_per_min"]
-                r["speedup"] = round(r["requests_per_min"] / base, 3)
+                base = base or r
+                r["speedup"] = round(r["requests_per_min"] / base["requests_per_min"], 3)
                 openmp.release()  # the near-tie checks ran torch here: this thread's OpenMP team would slow the next run
                 timed.append(r)
         for r in timed:  # the ceilings after every timed run: plain transformers' big caches between them slowed the next
@@ -261,7 +272,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     """Requests a minute and TTFT p95 against users, per workload (threads, the most new tokens)."""
     from benchmarks.plotting import line_panels  # noqa: PLC0415
 
-    rows = [r for r in rows if "workload" in r and r["mode"] == "threads"]
+    rows = [r for r in rows if "workload" in r and r["mode"] == "threads" and r.get("arrivals", "together") == "together"]
     new = max(r["new_tokens"] for r in rows)
     rows = [r for r in rows if r["new_tokens"] == new]
     thr = {"requests a minute": {w: [(r["users"], r["requests_per_min"]) for r in rows if r["workload"] == w] for w in WORKLOADS}}
@@ -277,6 +288,8 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--modes", nargs="+", default=["threads", "asyncio"], choices=["threads", "asyncio"])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--arrivals", nargs="+", default=["together"], choices=["together", "staggered"],
+                    help="users start together, or staggered: a lone request's time over U apart (rows of both)")  # fmt: skip
     ap.add_argument("--store", default="memory", choices=["memory", "disk", "redis"])
     ap.add_argument("--form", default="raw", type=lambda v: v if v in ("raw", "lossless") else int(v),
                     help="the one form stored and read: raw (default) or a level")  # fmt: skip

@@ -68,3 +68,50 @@ def test_the_ceiling_is_plain_transformers_batched_step(tiny_model_dir, tmp_path
     rows = common.results(out)
     assert {(r["shared"], r["users"]) for r in rows} == {(False, 1), (False, 4), (True, 1), (True, 4)}
     assert all(r["step_s"] > 0 and r["speedup"] > 0 for r in rows)
+
+
+def test_staggered_users_start_a_gap_apart_and_answer_as_the_sequential_run(tiny_model_dir, data, tmp_path):
+    out = tmp_path / "c.jsonl"
+    C.main(["--model", tiny_model_dir, "--data", data, "--users", "1", "3", "--new-tokens", "4", "--modes", "threads", "asyncio",
+            "--workloads", "shared", "--arrivals", "together", "staggered", "--context-scale", "0.05", "--no-ceiling",
+            "--join", "0", "--out", str(out)])  # fmt: skip
+    rows = [r for r in common.results(out) if "workload" in r]
+    assert {(r["mode"], r["arrivals"], r["users"]) for r in rows} == {
+        (m, a, u) for m in ("threads", "asyncio") for a, u in (("together", 1), ("together", 3), ("staggered", 3))
+    }
+    for r in rows:
+        assert r["requests"] == 6 and r["lost"] == r["failed"] == 0  # 1 user: the baseline's 6; 3 users: 2 each
+        assert r["mismatches"] == r["near_ties"] <= 1
+    for m in ("threads", "asyncio"):  # users a third of a lone request's time apart
+        lone = next(r for r in rows if r["mode"] == m and r["users"] == 1)
+        assert [r["start_gap_s"] for r in rows if r["mode"] == m] == [0.0, 0.0, round(lone["total_p50_s"] / 3, 4)]
+
+
+@pytest.mark.parametrize("mode", ["threads", "asyncio"])
+def test_user_u_starts_u_gaps_after_the_first(tiny_llama, tiny_tokenizer, mode):
+    import time
+
+    from cachegen_core.engine import KVEngine
+    from cachegen_core.stores.memory import MemoryStore
+    from langchain_cachegen import CacheGenLLM
+
+    engine = KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=64, background=False)
+    llm, starts = CacheGenLLM(engine=engine), {}
+
+    class Starts:  # the real engine and LLM, each call's start time noted
+        def generate(self, prompt, **kw):
+            starts[prompt] = time.perf_counter()
+            return engine.generate(prompt, **kw)
+
+        async def agenerate(self, prompts, **kw):
+            starts[prompts[0]] = time.perf_counter()
+            return await llm.agenerate(prompts, **kw)
+
+    prompts = [words(i, 30) for i in range(3)]
+    if mode == "threads":
+        answers, failures = C.run_threads(Starts(), [[p] for p in prompts], {"max_new_tokens": 1}, gap=0.25)
+    else:
+        answers, failures = C.run_asyncio(Starts(), [[p] for p in prompts], 1, gap=0.25)
+    assert len(answers) == 3 and not failures
+    t = [starts[p] for p in prompts]
+    assert t[1] - t[0] >= 0.24 and t[2] - t[0] >= 0.49
