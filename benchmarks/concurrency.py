@@ -269,16 +269,23 @@ def join_row(engine: Any, tok: Any, texts: list[str], users: int, cold_tokens: i
 
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Requests a minute and TTFT p95 against users, per workload (threads, the most new tokens)."""
+    """Requests a minute against users, per workload (users starting together), and TTFT p95 (users starting together,
+    and staggered where measured: 1 user's is the same row), threads, the most new tokens."""
     from benchmarks.plotting import line_panels  # noqa: PLC0415
 
-    rows = [r for r in rows if "workload" in r and r["mode"] == "threads" and r.get("arrivals", "together") == "together"]
+    rows = [r for r in rows if "workload" in r and r["mode"] == "threads"]
     new = max(r["new_tokens"] for r in rows)
     rows = [r for r in rows if r["new_tokens"] == new]
-    thr = {"requests a minute": {w: [(r["users"], r["requests_per_min"]) for r in rows if r["workload"] == w] for w in WORKLOADS}}
-    ttft = {"TTFT p95 (s)": {w: [(r["users"], r["ttft_p95_s"]) for r in rows if r["workload"] == w] for w in WORKLOADS}}
+
+    def series(arrivals: str, key: str) -> dict[str, list[tuple[int, float]]]:
+        return {w: [(r["users"], r[key]) for r in rows if r["workload"] == w and (r["users"] == 1 or r.get("arrivals", "together") == arrivals)]
+                for w in WORKLOADS}  # fmt: skip
+
+    ttft = {"TTFT p95 (s), starting together": series("together", "ttft_p95_s")}
+    if any(r.get("arrivals") == "staggered" for r in rows):
+        ttft["TTFT p95 (s), arriving apart"] = series("staggered", "ttft_p95_s")
     stem = path[:-4] if path.endswith(".png") else path
-    line_panels(thr, f"{stem}.png", xlabel="users", ylabel="requests a minute", xlog=True)
+    line_panels({"requests a minute": series("together", "requests_per_min")}, f"{stem}.png", xlabel="users", ylabel="requests a minute", xlog=True)
     line_panels(ttft, f"{stem}-ttft.png", xlabel="users", ylabel="seconds", xlog=True)
 
 
