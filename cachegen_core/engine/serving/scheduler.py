@@ -89,7 +89,6 @@ class Scheduler:
         # what pieces beside decoding requests took over what the prefill's cost predicted (their own prompt alone):
         # deep in a long prompt, and beside a batch, a piece costs more than the fit says; an average of recent steps
         self.piece_scale = 1.0
-        self._predicted = 0.0  # the predicted seconds of the pieces of the step in hand
         self.trace: deque[tuple[float, float, int, int]] = deque(maxlen=4096)  # (start, seconds, decoding, prompt tokens)
         self._closing = False  # the interpreter is exiting: step no more
         _SCHEDULERS.add(self)
@@ -202,7 +201,6 @@ class Scheduler:
         tokens, pieces = MAX_PIECE, []
         seconds, scale = (self.step_s(decoding), self.piece_scale) if decoding else (MAX_STEP_S, 1.0)
         timed = self.prefill_seconds is not None
-        self._predicted = 0.0
         short = False  # a short tail is computed this step
         for j in sorted(prefilling, key=lambda j: j.pending > PROBE):  # short tails (a question) before long prompts
             if tokens < MIN_PIECE or (timed and pieces and seconds <= 0):
@@ -212,15 +210,18 @@ class Scheduler:
             short = short or j.pending <= PROBE
             n = min(j.pending, tokens)
             if timed:
-                per = max(self.prefill_seconds(PROBE, j.at + len(j.ids) - j.pending) / PROBE, 1e-7)  # type: ignore[misc]
+                per = self._per_token(j)
                 n = min(n, max(MIN_PIECE, int(seconds / (per * scale)) if seconds else PROBE))  # no decode step timed: PROBE
                 if j.pending - n < MIN_PIECE:  # no piece under MIN_PIECE tokens left behind for a step of its own
                     n = min(j.pending, tokens)
                 seconds -= n * per * scale
-                self._predicted += n * per
             pieces.append((j, n))
             tokens -= n
         return pieces
+
+    def _per_token(self, job: Job) -> float:
+        """The fitted prefill cost of a token of ``job``'s next piece (at its place in the prompt), seconds."""
+        return max(self.prefill_seconds(PROBE, job.at + len(job.ids) - job.pending) / PROBE, 1e-7)  # type: ignore[misc]
 
     def step_s(self, decoding: int) -> float:
         """A decode step's seconds for ``decoding`` requests: the last such step, else the last of the most requests
@@ -237,6 +238,7 @@ class Scheduler:
         pieces = self._pieces(len(decoding), [j for j in jobs if j.state is State.PREFILLING])
         if not decoding and not pieces:
             return
+        predicted = sum(n * self._per_token(j) for j, n in pieces) if self.prefill_seconds is not None else 0.0
         t = time.perf_counter()
         try:
             self._forward(decoding, pieces)
@@ -257,8 +259,8 @@ class Scheduler:
         decode = self.step_s(len(decoding)) if decoding else 0.0
         if decoding and not pieces:
             self.decode_s = self._decode_by[len(decoding)] = seconds
-        elif decode and self._predicted > 0:  # what the pieces took: the step less a decode step
-            ratio = min(max((seconds - decode) / self._predicted, 0.1), 10.0)
+        elif decode and predicted > 0:  # what the pieces took: the step less a decode step
+            ratio = min(max((seconds - decode) / predicted, 0.1), 10.0)
             self.piece_scale += LEARN * (ratio - self.piece_scale)
         elif len(pieces) == 1 and not decoding and self.observe_prefill is not None:
             j, n = pieces[0]
