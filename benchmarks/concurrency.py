@@ -206,8 +206,6 @@ def workload(engine: Any, model: Any, tok: Any, texts: list[str], name: str, arg
                 run = workload_prompts(tok, texts, name, alone if users == 1 else users, args.requests_per_user, run=runs)
                 if users == 1:
                     run = Prompts([[p for mine in run.warm for p in mine]], run.cold)
-                elif arrivals == "staggered" and base is None:
-                    raise SystemExit("--arrivals staggered needs the 1-user run first (--users 1 ...)")
                 gap = base["total_p50_s"] / users if arrivals == "staggered" and base else 0.0
                 sent = sum(map(len, run.warm))
                 t = time.perf_counter()
@@ -310,7 +308,10 @@ def arguments() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = arguments().parse_args(argv)
+    ap = arguments()
+    args = ap.parse_args(argv)
+    if "staggered" in args.arrivals and args.users[0] != 1:
+        ap.error("--arrivals staggered: --users must start with 1 (a lone request's time sets the users' gap)")
     if args.quick:
         args.users, args.new_tokens, args.modes, args.workloads, args.join = [1, 2, 4], [8], ["threads"], ["shared", "mixed"], 512
     if args.context_scale != 1.0:

@@ -85,6 +85,9 @@ def test_staggered_users_start_a_gap_apart_and_answer_as_the_sequential_run(tiny
     for m in ("threads", "asyncio"):  # users a third of a lone request's time apart
         lone = next(r for r in rows if r["mode"] == m and r["users"] == 1)
         assert [r["start_gap_s"] for r in rows if r["mode"] == m] == [0.0, 0.0, round(lone["total_p50_s"] / 3, 4)]
+    with pytest.raises(SystemExit) as refused:  # no lone request's time to set the gap
+        C.main(["--model", tiny_model_dir, "--data", data, "--users", "2", "--arrivals", "staggered", "--out", str(out)])
+    assert refused.value.code == 2  # argparse's usage error
 
 
 @pytest.mark.parametrize("mode", ["threads", "asyncio"])
