@@ -12,10 +12,11 @@ would be timed) until the engine is closed.
 
 Probes run one at a time in a background thread (``serving/background.py``), started when there is work and ending
 when there is none, under ``Yielding``: paused before each torch op while a request computes (the model lock let go),
-so a request waits for one op at most. A probe that paused measured the pause too: it is dropped (the cost model asks again later). The first
-decode of a form in an engine runs twice and the second is timed (a GPU decoder compiles its kernels on first use); on
-a GPU the device is synchronised before the clock stops. An engine built with ``background=False`` runs its probes
-when a request has answered, before it returns (deterministic, for scripts and tests).
+so a request waits for one op at most. A probe that paused measured the pause too: it is dropped (the cost model asks
+again later). The first decode of a form in an engine runs twice and the second is timed (a GPU decoder compiles its
+kernels on first use); on a GPU the device is synchronised before the clock stops. An engine built with
+``background=False`` runs its probes when a request has answered, before it returns (deterministic, for scripts and
+tests).
 """
 
 from __future__ import annotations
