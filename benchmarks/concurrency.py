@@ -2,7 +2,7 @@
 the answers checked against each request alone, beside what plain transformers' batching allows here (the ceiling).
 
     python -m benchmarks.concurrency [--quick] [--users 1 2 4 8 16] [--new-tokens 16 64] [--modes threads asyncio]
-        [--workloads shared own own-short mixed] [--arrivals together staggered] [--store memory|disk|redis]
+        [--workloads shared own own-short mixed] [--arrivals together staggered] [--store memory|disk|redis] [--context-tokens N]
         [--requests-per-user N] [--baseline-requests N] [--no-ceiling] [--plot F.png] [--data F] [--model M] [--device D] [--out F]
 
 Workloads (LongChat transcripts cut to a number of tokens, each prompt followed by a question of its user):
@@ -302,6 +302,7 @@ def arguments() -> argparse.ArgumentParser:
     ap.add_argument("--baseline-requests", type=int, default=6, metavar="N", help="the 1-user run sends at least N requests")
     ap.add_argument("--no-ceiling", dest="ceiling", action="store_false", help="skip plain transformers' steps")
     ap.add_argument("--context-scale", type=float, default=1.0, help="scale every workload's context tokens (tests)")
+    ap.add_argument("--context-tokens", type=int, default=None, metavar="N", help="every workload's context N tokens (the GPU rows: 8K)")
     ap.add_argument("--join", type=int, default=4096, metavar="TOKENS", help="then a cold prompt of TOKENS joining 8 decoding (0: not)")
     ap.add_argument("--plot", default=None, metavar="F.png")
     return ap
@@ -317,6 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.context_scale != 1.0:
         for k, (n, s, c) in list(WORKLOADS.items()):
             WORKLOADS[k] = (max(16, int(n * args.context_scale)), s, c)
+    if args.context_tokens is not None:
+        if args.context_tokens < 16:
+            ap.error("--context-tokens: at least 16")
+        for k, (_, s, c) in list(WORKLOADS.items()):
+            WORKLOADS[k] = (args.context_tokens, s, c)
 
     from cachegen_core.engine import KVEngine  # noqa: PLC0415
 

@@ -25,7 +25,7 @@ def data(tmp_path) -> str:
 @pytest.fixture(autouse=True)
 def own_cache_dir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CACHEGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(C, "WORKLOADS", dict(C.WORKLOADS))  # --context-scale rescales them
+    monkeypatch.setattr(C, "WORKLOADS", dict(C.WORKLOADS))  # --context-scale and --context-tokens change them
 
 
 @pytest.mark.parametrize("store", ["memory", "disk"])
@@ -73,13 +73,14 @@ def test_the_ceiling_is_plain_transformers_batched_step(tiny_model_dir, tmp_path
 def test_staggered_users_start_a_gap_apart_and_answer_as_the_sequential_run(tiny_model_dir, data, tmp_path):
     out = tmp_path / "c.jsonl"
     C.main(["--model", tiny_model_dir, "--data", data, "--users", "1", "3", "--new-tokens", "4", "--modes", "threads", "asyncio",
-            "--workloads", "shared", "--arrivals", "together", "staggered", "--context-scale", "0.05", "--no-ceiling",
+            "--workloads", "shared", "--arrivals", "together", "staggered", "--context-tokens", "230", "--no-ceiling",
             "--join", "0", "--out", str(out)])  # fmt: skip
     rows = [r for r in common.results(out) if "workload" in r]
     assert {(r["mode"], r["arrivals"], r["users"]) for r in rows} == {
         (m, a, u) for m in ("threads", "asyncio") for a, u in (("together", 1), ("together", 3), ("staggered", 3))
     }
     for r in rows:
+        assert r["context_tokens"] == 230  # --context-tokens: the context of every workload
         assert r["requests"] == 6 and r["lost"] == r["failed"] == 0  # 1 user: the baseline's 6; 3 users: 2 each
         assert r["mismatches"] == r["near_ties"] <= 1
     for m in ("threads", "asyncio"):  # users a third of a lone request's time apart
@@ -88,6 +89,9 @@ def test_staggered_users_start_a_gap_apart_and_answer_as_the_sequential_run(tiny
     with pytest.raises(SystemExit) as refused:  # no lone request's time to set the gap
         C.main(["--model", tiny_model_dir, "--data", data, "--users", "2", "--arrivals", "staggered", "--out", str(out)])
     assert refused.value.code == 2  # argparse's usage error
+    with pytest.raises(SystemExit) as refused:
+        C.main(["--model", tiny_model_dir, "--data", data, "--context-tokens", "8", "--out", str(out)])
+    assert refused.value.code == 2
 
 
 @pytest.mark.parametrize("mode", ["threads", "asyncio"])

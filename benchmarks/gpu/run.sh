@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu/run.sh [--dry-run] [STEP ...]     STEP: warm8k warm32k fresh coder tests (default: these, in this
 #                                                         order), groups (the transform-group A/B, 80 s) or batch (many
-#                                                         users at once, issue 53's GPU rows, 150 s): asked alone
+#                                                         users at once on 8K contexts, issue 53's GPU rows, 300 s): asked alone
 #
 # A 7B-shaped bf16 Llama (random weights: timing only) at 7,680 and 30,720 tokens: recompute (text), fp16 naive over
 # the store, the hardware's floor (fp16-pinned: pinned copy + question prefill, transformers alone), the engine
@@ -26,10 +26,10 @@ export PYTHONUNBUFFERED=1
 if [ $DRY = 1 ]; then  # this machine's own cache (the reference tokenizer converted there already)
   PY=${PY:-python3}; DEV=cpu; MODEL="llama-shaped:layers=2,hidden=128,heads=4,kv_heads=2,intermediate=256"
   CTX8=3072; CTX32=6144; REPS8=1; REPS32=1; DATA=${DATA:-../shared/data/longchat_dev.jsonl}; THREADS=1
-  CODER=(--quick --device cpu); TESTS=(tests/test_gpu_paths.py tests/test_pinned.py); BATCH=(--users 1 2 --context-scale 0.1)
+  CODER=(--quick --device cpu); TESTS=(tests/test_gpu_paths.py tests/test_pinned.py); BATCH=(--users 1 2 --context-tokens 460)
 else
   PY=${PY:-python3}; DEV=cuda; MODEL=llama-7b-shaped; CTX8=7680; CTX32=30720; REPS8=3; REPS32=2
-  DATA=.gpu/longchat_dev.jsonl; THREADS=16; CODER=(--device cuda); BATCH=(--users 1 8 16)
+  DATA=.gpu/longchat_dev.jsonl; THREADS=16; CODER=(--device cuda); BATCH=(--users 1 4 16 --context-tokens 8192)
   TESTS=(tests/test_gpu_paths.py tests/test_triton_decoder.py tests/test_pinned_paths.py tests/test_raw.py)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.gpu/bin:$PATH CACHEGEN_TOKENIZER_DIR=$PWD/.gpu/tok CACHEGEN_NATIVE_LIB=$PWD/.gpu/_native.so \
@@ -56,8 +56,8 @@ for s in $STEPS; do
     coder) step 70 coder "$PY" -m benchmarks.coder_throughput "${CODER[@]}" --no-real --no-torchac --cpu-threads "" \
              --out "$OUT/coder_triton_7b.jsonl" ;;
     tests) step 80 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
-    batch) step 150 batch "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" --data "$DATA" --workloads shared own-short \
-             --new-tokens 64 --modes threads --arrivals together staggered --join 0 "${BATCH[@]}" --out "$OUT/concurrency.jsonl" ;;
+    batch) step 300 batch "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" --data "$DATA" --workloads shared own \
+             --new-tokens 64 --modes threads --arrivals together --join 0 "${BATCH[@]}" --out "$OUT/concurrency.jsonl" ;;
     groups) step 80 groups "$PY" -m benchmarks.transform_groups --device "$DEV" --out "$OUT/transform_groups.jsonl" ;;
     *) echo "unknown step $s" | tee -a "$L" ;;
   esac
