@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from cachegen_core.engine.model import hf, packed
+from cachegen_core.engine.model import hf, lse, packed
 from cachegen_core.kv import KVCache
 from cachegen_core.testing import FAMILIES, make_family_model
 
@@ -108,9 +108,55 @@ def test_a_model_with_alibi_is_not_packed():
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral-window", "gemma2-window"])
-def test_the_attention_a_gpu_runs_by_hand_gives_the_same_logits(name, monkeypatch):
-    """Off the CPU (a GPU) the shared prefix's and each tail's attention with its log-sum-exp are computed by hand in
-    float32 (``_manual``), one call per tail: forced here on the CPU, the same logits as each request alone."""
-    monkeypatch.setattr(packed, "_with_lse", packed._manual)
-    monkeypatch.setattr(packed, "_tails", lambda q, group, layer, window, scale, kvh: packed._each_tail(q, group, layer, window, scale, None, kvh))
+def test_where_no_fused_kernel_applies_the_attention_by_hand_gives_the_same_logits(name, monkeypatch):
+    """A device whose fused kernel failed (or has none) computes the shared prefix's and each tail's attention with its
+    log-sum-exp by hand in float32 (``lse.manual``), one call per tail: forced here on the CPU, the same logits as alone."""
+    monkeypatch.setattr(lse, "UNFUSED", {"cpu": "forced by the test"})
+    calls = []
+    manual = lse.manual
+    monkeypatch.setattr(lse, "manual", lambda *a: calls.append(1) or manual(*a))
     test_pieces_and_decode_steps_of_requests_sharing_a_prefix_and_not_equal_each_alone(name)
+    assert calls
+
+
+def _efficient_as_documented(q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+    """torch's ``_scaled_dot_product_efficient_attention`` as CUDA runs it, on the CPU: q, k, v of as many heads, an additive
+    bias of q's dtype whose rows are 16-element aligned, the log-sum-exp padded to a multiple of 32 queries."""
+    assert q.shape[:2] == k.shape[:2] == v.shape[:2] and compute_log_sumexp and not dropout_p and not is_causal
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if bias is not None:
+        assert bias.dtype == q.dtype and bias.shape[-1] % 16 == 0, "CUDA's kernel refuses an unaligned bias"
+        s = s + bias.float()
+    lse = torch.logsumexp(s, dim=-1)
+    m = q.shape[2]
+    padded = torch.full((*lse.shape[:2], -(-m // 32) * 32), float("nan"))
+    padded[..., :m] = lse
+    return torch.matmul(torch.softmax(s, -1), v.float()).to(q.dtype), padded, torch.empty(0), torch.empty(0)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window"])
+def test_the_gpu_kernel_used_as_its_contract_says_gives_the_same_logits(name, monkeypatch):
+    """The packed attention's use of CUDA's kernel (``KERNELS["cuda"]``: keys and bias padded to 16, the log-sum-exp cut
+    to the queries), run on the CPU against a stand-in that keeps the kernel's contract: each request's logits as alone.
+    The kernel itself on a GPU: ``tests/test_gpu_paths.py``."""
+    calls = []
+    monkeypatch.setattr(
+        torch.ops.aten, "_scaled_dot_product_efficient_attention", lambda *a, **k: calls.append(1) or _efficient_as_documented(*a, **k)
+    )
+    monkeypatch.setitem(lse.KERNELS, "cpu", lse.KERNELS["cuda"])
+    monkeypatch.setitem(lse.ALIGN, "cpu", 16)
+    monkeypatch.setattr(lse, "UNFUSED", {})
+    test_pieces_and_decode_steps_of_requests_sharing_a_prefix_and_not_equal_each_alone(name)
+    assert calls and not lse.UNFUSED
+
+
+def test_a_fused_kernel_that_fails_is_said_once_and_the_attention_computed_by_hand(monkeypatch, caplog):
+    def fails(*args):
+        raise RuntimeError("no kernel for these inputs")
+
+    monkeypatch.setitem(lse.KERNELS, "cpu", fails)
+    monkeypatch.setattr(lse, "UNFUSED", {})
+    with caplog.at_level("WARNING", logger="cachegen_core.engine"):
+        test_pieces_and_decode_steps_of_requests_sharing_a_prefix_and_not_equal_each_alone("llama")
+    assert "no kernel for these inputs" in lse.UNFUSED["cpu"]
+    assert len([r for r in caplog.records if "fused attention failed" in r.message]) == 1

@@ -12,8 +12,10 @@ transformers builds no mask for it) reads them from there:
 
 - a request without a shared prefix: SDPA over its own buffer (causal with an offset for a piece of its prompt);
 - requests sharing a prefix: the queries of all of them over the prefix in one call (the prefix read once: cascade
-  attention, as FlashInfer's and Hydragen's), each request's own tail in one call of its own, the two combined by
-  their softmax normalisers (log-sum-exp).
+  attention, as FlashInfer's and Hydragen's), the tails of requests decoding one token each padded into one call, the
+  two combined by their softmax normalisers (log-sum-exp). Both calls are torch's fused kernels that return it (the
+  CPU's flash attention, CUDA's memory-efficient attention: 16-bit keys and values read as they are); elsewhere, with
+  soft-capping, or once a kernel has failed, by hand in float32, a tail at a time.
 
 Sliding-window layers read only the window (keys after ``position - window``), as transformers' masks give them;
 Gemma 2's logit soft-capping is applied to the scores. Nothing is copied per step but each request's new keys and
@@ -33,6 +35,7 @@ from transformers.cache_utils import Cache
 
 from ...hfcompat import cache_arg
 from ...kv import KVCache
+from . import lse
 from .attention import blocked_offset_attention, offset_causal_attention
 
 #: The attention implementation name a packed forward runs under (registered on first use; no mask function).
@@ -122,12 +125,13 @@ class Group:
             self._masks[key] = mask
         return self._masks[key]
 
-    def tails(self, window: int | None) -> tuple[list[tuple[int, int]], torch.Tensor]:
-        """Decoding parts: each one's own keys ``[first, end)`` and the additive mask of their padded batch."""
-        key = ("tails", window)
+    def tails(self, window: int | None, align: int = 1) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """Decoding parts: each one's own keys ``[first, end)`` and the additive mask of their padded batch, its length
+        a multiple of ``align``."""
+        key = ("tails", window, align)
         if key not in self._masks:
             spans = [(_window_start(p.filled, window), p.filled + 1) for p in self.parts]
-            longest = max(e - f for f, e in spans)
+            longest = -(-max(e - f for f, e in spans) // align) * align
             lengths = torch.tensor([e - f for f, e in spans])
             mask = torch.zeros(len(spans), 1, 1, longest, dtype=self.shared.dtype)
             mask.masked_fill_(torch.arange(longest)[None, None, None, :] >= lengths[:, None, None, None], float("-inf"))
@@ -173,29 +177,6 @@ def _own_mask(t: int, filled: int, first: int, window: int | None, device: torch
     return mask
 
 
-def _manual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-            softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Attention of ``q`` (1, h, m, d) over ``k``/``v`` (1, h, n, d) in float32, with soft-capping: (output, log-sum-exp)."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse[..., None]), v.float()).to(q.dtype), lse
-
-
-def _with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
-              softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Attention of ``q`` (1, h, m, d) over ``k``/``v`` (1, h, n, d) (as many heads), with its log-sum-exp (1, h, m),
-    float32: the fused CPU kernel where it applies, else in float32 by hand."""
-    if q.device.type == "cpu" and not softcap and q.dtype == k.dtype:
-        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
-        return out, lse.float()
-    return _manual(q, k, v, scale, mask, softcap)
-
-
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Queries (h, m, d) as (1, kv_heads, (h / kv_heads) * m, d): each KV head's query heads stacked along the rows."""
     h, m, d = q.shape
@@ -209,7 +190,7 @@ def _plain_own(q: torch.Tensor, own: KVCache, layer: int, p: Part, window: int |
     first = _window_start(p.filled, window) if t == 1 else 0
     k, v = own.keys[layer, :, first:end].unsqueeze(0), own.values[layer, :, first:end].unsqueeze(0)
     if softcap:
-        return _manual(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // k.shape[1], 1), scale,
+        return lse.manual(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // k.shape[1], 1), scale,
                        _own_mask(t, p.filled, first, window, q.device), softcap)[0]  # fmt: skip
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if t == 1:
@@ -234,31 +215,35 @@ def _shared_group(query: torch.Tensor, out: torch.Tensor, group: Group, layer: i
     q = query[0][:, group.rows]  # (h, m, d)
     m = q.shape[1]
     mask = group.prefix_mask(window, g)
-    o1, l1 = _with_lse(_grouped(q, kvh), shared.keys[layer].unsqueeze(0), shared.values[layer].unsqueeze(0), scale, mask, softcap)
+    o1, l1 = lse.with_lse(_grouped(q, kvh), shared.keys[layer].unsqueeze(0), shared.values[layer].unsqueeze(0), scale, mask, softcap)
     if mask is not None:  # a query whose window starts past the prefix sees none of it: no weight (the kernel says 0), no NaN
         o1 = torch.nan_to_num(o1, nan=0.0)
         l1 = l1.masked_fill(~mask.any(-1), float("-inf"))
-    if group.decoding and not softcap and q.device.type == "cpu":
-        o2, l2 = _tails(q, group, layer, window, scale, kvh)
-    else:
-        o2, l2 = _each_tail(q, group, layer, window, scale, softcap, kvh)
+    tails = _tails(q, group, layer, window, scale, kvh) if group.decoding and lse.fuses(q, shared.keys, softcap) else None
+    o2, l2 = tails if tails is not None else _each_tail(q, group, layer, window, scale, softcap, kvh)
     l1, o1 = l1.view(kvh, g, m), o1.view(kvh, g, m, d)
-    lse = torch.logaddexp(l1, l2)
-    merged = o1.float() * torch.exp(l1 - lse)[..., None] + o2.float() * torch.exp(l2 - lse)[..., None]
+    both = torch.logaddexp(l1, l2)
+    merged = o1.float() * torch.exp(l1 - both)[..., None] + o2.float() * torch.exp(l2 - both)[..., None]
     out[0, group.rows] = merged.permute(2, 0, 1, 3).reshape(m, h, d).to(out.dtype)
 
 
-def _tails(q: torch.Tensor, group: Group, layer: int, window: int | None, scale: float, kvh: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each decoding part's one query over its own keys, all parts padded into one call: ((kvh, g, m, d), (kvh, g, m))."""
+def _tails(q: torch.Tensor, group: Group, layer: int, window: int | None, scale: float, kvh: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each decoding part's one query over its own keys, all parts padded into one call of the fused kernel: ((kvh, g, m,
+    d), (kvh, g, m)); None if it failed."""
     h, m, d = q.shape
-    spans, mask = group.tails(window)
-    keys = torch.nn.utils.rnn.pad_sequence([p.own.keys[layer, :, f:e].transpose(0, 1) for p, (f, e) in zip(group.parts, spans)],
-                                           batch_first=True).transpose(1, 2)  # fmt: skip
-    values = torch.nn.utils.rnn.pad_sequence([p.own.values[layer, :, f:e].transpose(0, 1) for p, (f, e) in zip(group.parts, spans)],
-                                             batch_first=True).transpose(1, 2)  # fmt: skip
+    spans, mask = group.tails(window, lse.ALIGN.get(q.device.type, 1))
+    own = group.parts[0].own
+    keys = own.keys.new_zeros(m, kvh, mask.shape[-1], d)
+    values = own.values.new_zeros(m, kvh, mask.shape[-1], d)
+    for i, (p, (f, e)) in enumerate(zip(group.parts, spans)):
+        keys[i, :, : e - f] = p.own.keys[layer, :, f:e]
+        values[i, :, : e - f] = p.own.values[layer, :, f:e]
     queries = q.view(kvh, h // kvh, m, d).permute(2, 0, 1, 3)  # (m parts, kvh, g, d)
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(queries, keys, values, attn_mask=mask, scale=scale)
-    return o.permute(1, 2, 0, 3), lse.float().permute(1, 2, 0)
+    fused = lse.fused(queries, keys, values, mask, scale)
+    if fused is None:
+        return None
+    o, sums = fused
+    return o.permute(1, 2, 0, 3), sums.permute(1, 2, 0)
 
 
 def _each_tail(q: torch.Tensor, group: Group, layer: int, window: int | None, scale: float, softcap: float | None,
@@ -273,10 +258,10 @@ def _each_tail(q: torch.Tensor, group: Group, layer: int, window: int | None, sc
         t, end = p.tokens, p.filled + p.tokens
         first = _window_start(p.filled, window) if t == 1 else 0
         mine = _own_mask(t, p.filled, first, window, q.device)
-        o, lse = _with_lse(_grouped(q[:, at : at + t], kvh), p.own.keys[layer, :, first:end].unsqueeze(0),
+        o, sums = lse.with_lse(_grouped(q[:, at : at + t], kvh), p.own.keys[layer, :, first:end].unsqueeze(0),
                            p.own.values[layer, :, first:end].unsqueeze(0), scale, None if mine is None else mine.repeat(g, 1), softcap)  # fmt: skip
         o2[:, :, at : at + t] = o.view(kvh, g, t, d)
-        l2[:, :, at : at + t] = lse.view(kvh, g, t)
+        l2[:, :, at : at + t] = sums.view(kvh, g, t)
         at += t
     return o2, l2
 
