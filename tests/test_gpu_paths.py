@@ -116,3 +116,19 @@ def test_requests_sharing_a_prefix_decode_on_the_gpu_by_its_fused_kernel_as_each
     for row, full in zip(logits, (a + nxt[:1], b + nxt[1:])):
         torch.testing.assert_close(row, alone(full), atol=tol, rtol=tol)
     assert not lse.UNFUSED  # the fused kernel ran: no float32 copies of the prefix by hand
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
+def test_decoding_requests_on_the_gpu_are_read_by_one_kernel_launch_a_layer_as_each_alone(dtype, tol, monkeypatch):
+    """The decode attention kernel (``own_decode.py``) compiled and run on the GPU: a packed forward's decoding requests,
+    on a shared prefix and on their own KV, each with the logits the model gives it alone; the kernel launched, never
+    failed."""
+    from cachegen_core.engine.model import own_decode
+    from tests.test_own_decode import _decode_steps
+
+    monkeypatch.setattr(own_decode, "FAILED", {})
+    launches = []
+    attend = own_decode.attend
+    monkeypatch.setattr(own_decode, "attend", lambda *a, **k: launches.append(len(a[3])) or attend(*a, **k))
+    _decode_steps("llama", "cuda", dtype, tol)
+    assert launches == [2] * 8 and not own_decode.FAILED

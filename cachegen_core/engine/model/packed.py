@@ -17,6 +17,9 @@ transformers builds no mask for it) reads them from there:
   CPU's flash attention, CUDA's memory-efficient attention: 16-bit keys and values read as they are); elsewhere, with
   soft-capping, or once a kernel has failed, by hand in float32, a tail at a time.
 
+On a GPU the requests that decode one token (those without a shared prefix together, and each group's tails) are
+read by one Triton launch a layer instead (``own_decode.py``), which also writes their new keys and values.
+
 Sliding-window layers read only the window (keys after ``position - window``), as transformers' masks give them;
 Gemma 2's logit soft-capping is applied to the scores. Nothing is copied per step but each request's new keys and
 values and its queries.
@@ -35,7 +38,7 @@ from transformers.cache_utils import Cache
 
 from ...hfcompat import cache_arg
 from ...kv import KVCache
-from . import lse
+from . import lse, own_decode
 from .attention import blocked_offset_attention, offset_causal_attention
 
 #: The attention implementation name a packed forward runs under (registered on first use; no mask function).
@@ -75,11 +78,15 @@ class Plan:
     """The parts of one packed forward (in row order) and each layer's sliding window (None: full attention).
 
     ``groups``: the parts reading one shared prefix (the same memory and length), in row order, each with what every
-    layer of the forward reuses: its rows and positions (and masks, per window)."""
+    layer of the forward reuses: its rows and positions (and masks, per window). ``batches``: decoding parts whose
+    attention one kernel launch a layer computes (:meth:`use_kernel`; key None: those without a shared prefix, else
+    their group's index), ``kernel_parts`` the ids of those parts (the kernel writes their new keys and values)."""
 
     parts: Sequence[Part]
     windows: Sequence[int | None]
     groups: list[Group] = field(default_factory=list)
+    batches: dict[int | None, own_decode.Batch] = field(default_factory=dict)
+    kernel_parts: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         by: dict[tuple[int, int], list[Part]] = {}
@@ -93,6 +100,27 @@ class Plan:
                     p.shared, p.own, p.offset, p.filled = p.own.slice(0, n), p.own.slice(n, p.own.num_tokens), n, p.filled - n
                     by[(p.shared.keys.data_ptr(), n)].append(p)
         self.groups = [Group(sorted(g, key=lambda p: p.start)) for g in by.values()]
+
+    def use_kernel(self, device: torch.device, dtype: torch.dtype, softcap: float | None) -> None:
+        """Where ``own_decode.py``'s kernel runs, the decoding parts' attention by one launch a layer: those without a
+        shared prefix together, and each group whose parts all decode."""
+        if not own_decode.usable(device, softcap):
+            return
+        own = [p for p in self.parts if p.shared is None and p.tokens == 1]
+        sets = [(None, own, [p.start for p in own])] + [(i, g.parts, range(len(g))) for i, g in enumerate(self.groups) if g.decoding]
+        for key, parts, rows in sets:
+            if len(parts) >= own_decode.MIN_PARTS and own_decode.Batch.fits(parts, dtype, device):
+                self.batches[key] = own_decode.Batch(parts, rows, device)
+        self.kernel_parts = {id(p) for b in self.batches.values() for p in b.parts}
+
+    def without_kernel(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The kernel did not run at ``layer``: its parts' new keys and values written here, and from the next layer on
+        by the cache, their attention by the calls of each part."""
+        for p in self.parts:
+            if id(p) in self.kernel_parts:
+                p.own.keys[layer, :, p.filled].copy_(key[0, :, p.start])
+                p.own.values[layer, :, p.filled].copy_(value[0, :, p.start])
+        self.batches, self.kernel_parts = {}, set()
 
 
 class Group:
@@ -150,6 +178,8 @@ class PlanCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         for p in self.plan.parts:
+            if id(p) in self.plan.kernel_parts:  # the kernel writes them
+                continue
             p.own.keys[layer_idx, :, p.filled : p.filled + p.tokens].copy_(key_states[0, :, p.start : p.stop])
             p.own.values[layer_idx, :, p.filled : p.filled + p.tokens].copy_(value_states[0, :, p.start : p.stop])
         return key_states, value_states
@@ -205,10 +235,11 @@ def _plain_own(q: torch.Tensor, own: KVCache, layer: int, p: Part, window: int |
     return sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def _shared_group(query: torch.Tensor, out: torch.Tensor, group: Group, layer: int, window: int | None, scale: float,
-                  softcap: float | None) -> None:  # fmt: skip
-    """The parts sharing one prefix: every query over the prefix in one call, each part's own tail (all of them in one
-    call when each decodes one token), the two combined by their log-sum-exp."""
+def _shared_group(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, plan: Plan, index: int, layer: int,
+                  window: int | None, scale: float, softcap: float | None) -> None:  # fmt: skip
+    """The parts sharing one prefix (``plan.groups[index]``): every query over the prefix in one call, each part's own
+    tail (all of them in one call when each decodes one token), the two combined by their log-sum-exp."""
+    group = plan.groups[index]
     shared = group.shared
     h, d, kvh = query.shape[1], query.shape[3], shared.keys.shape[1]
     g = h // kvh
@@ -219,12 +250,29 @@ def _shared_group(query: torch.Tensor, out: torch.Tensor, group: Group, layer: i
     if mask is not None:  # a query whose window starts past the prefix sees none of it: no weight (the kernel says 0), no NaN
         o1 = torch.nan_to_num(o1, nan=0.0)
         l1 = l1.masked_fill(~mask.any(-1), float("-inf"))
-    tails = _tails(q, group, layer, window, scale, kvh) if group.decoding and lse.fuses(q, shared.keys, softcap) else None
+    tails = None
+    if index in plan.batches:
+        tails = _kernel_tails(query, key, value, plan.batches[index], layer, window, scale, kvh)
+        if tails is None:
+            plan.without_kernel(layer, key, value)
+    if tails is None and group.decoding and lse.fuses(q, shared.keys, softcap):
+        tails = _tails(q, group, layer, window, scale, kvh)
     o2, l2 = tails if tails is not None else _each_tail(q, group, layer, window, scale, softcap, kvh)
     l1, o1 = l1.view(kvh, g, m), o1.view(kvh, g, m, d)
     both = torch.logaddexp(l1, l2)
     merged = o1.float() * torch.exp(l1 - both)[..., None] + o2.float() * torch.exp(l2 - both)[..., None]
     out[0, group.rows] = merged.permute(2, 0, 1, 3).reshape(m, h, d).to(out.dtype)
+
+
+def _kernel_tails(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: own_decode.Batch, layer: int, window: int | None,
+                  scale: float, kvh: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """The decoding tails of a group by the kernel (``own_decode.py``), as :func:`_tails` gives them; None if it failed."""
+    m, (h, d) = len(batch), (query.shape[1], query.shape[3])
+    o = query.new_empty(1, m, h, d)
+    sums = torch.empty(m, h, device=query.device)
+    if not own_decode.attend(query, key, value, batch, layer, window, scale, o, sums):
+        return None
+    return o[0].view(m, kvh, h // kvh, d).permute(1, 2, 0, 3), sums.view(m, kvh, h // kvh).permute(1, 2, 0)
 
 
 def _tails(q: torch.Tensor, group: Group, layer: int, window: int | None, scale: float, kvh: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -269,18 +317,22 @@ def _each_tail(q: torch.Tensor, group: Group, layer: int, window: int | None, sc
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
                      dropout: float = 0.0, scaling: float | None = None, softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
     """transformers' attention interface over the plan of the forward running in this thread (see the module doc):
-    ``query`` (1, heads, T, head_dim) of every part; ``key``/``value`` are the new tokens', already in the parts' own
-    buffers. Returns (1, T, heads, head_dim)."""
+    ``query`` (1, heads, T, head_dim) of every part; ``key``/``value`` are the new tokens', in the parts' own buffers
+    already but those the kernel writes (``plan.kernel_parts``). Returns (1, T, heads, head_dim)."""
     plan: Plan = _STATE.plan
     layer, window = module.layer_idx, plan.windows[module.layer_idx]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+    if plan.kernel_parts and softcap:  # soft-capping the config did not name: not the kernel's
+        plan.without_kernel(layer, key, value)
+    if None in plan.batches and not own_decode.attend(query, key, value, plan.batches[None], layer, window, scale, out):
+        plan.without_kernel(layer, key, value)
     for p in plan.parts:
-        if p.shared is None:
+        if p.shared is None and id(p) not in plan.kernel_parts:
             o = _plain_own(query[:, :, p.start : p.stop], p.own, layer, p, window, scale, softcap)
             out[0, p.start : p.stop] = o[0].transpose(0, 1)
-    for group in plan.groups:
-        _shared_group(query, out, group, layer, window, scale, softcap)
+    for index in range(len(plan.groups)):
+        _shared_group(query, key, value, out, plan, index, layer, window, scale, softcap)
     return out, None
 
 
@@ -317,6 +369,9 @@ def _packed(model: Any, plan: Plan) -> Iterator[None]:
 def forward(model: Any, ids: torch.Tensor, positions: torch.Tensor, plan: Plan, keep: torch.Tensor) -> torch.Tensor:
     """One packed forward: ``ids``/``positions`` (T,) of every part's new tokens in row order; returns the logits
     (float32) of the rows ``keep`` only (the model's head runs on those alone where it can)."""
+    text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    if getattr(model, "dtype", None) is not None:
+        plan.use_kernel(ids.device, model.dtype, getattr(text, "attn_logit_softcapping", None))
     cache = PlanCache(plan)
     with _packed(model, plan):
         try:
