@@ -221,7 +221,7 @@ def _plain_own(q: torch.Tensor, own: KVCache, layer: int, p: Part, window: int |
     k, v = own.keys[layer, :, first:end].unsqueeze(0), own.values[layer, :, first:end].unsqueeze(0)
     if softcap:
         return lse.manual(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // k.shape[1], 1), scale,
-                       _own_mask(t, p.filled, first, window, q.device), softcap)[0]  # fmt: skip
+                          _own_mask(t, p.filled, first, window, q.device), softcap)[0]  # fmt: skip
     sdpa = torch.nn.functional.scaled_dot_product_attention
     if t == 1:
         return sdpa(q, k, v, scale=scale, enable_gqa=True)
@@ -307,7 +307,7 @@ def _each_tail(q: torch.Tensor, group: Group, layer: int, window: int | None, sc
         first = _window_start(p.filled, window) if t == 1 else 0
         mine = _own_mask(t, p.filled, first, window, q.device)
         o, sums = lse.with_lse(_grouped(q[:, at : at + t], kvh), p.own.keys[layer, :, first:end].unsqueeze(0),
-                           p.own.values[layer, :, first:end].unsqueeze(0), scale, None if mine is None else mine.repeat(g, 1), softcap)  # fmt: skip
+                               p.own.values[layer, :, first:end].unsqueeze(0), scale, None if mine is None else mine.repeat(g, 1), softcap)  # fmt: skip
         o2[:, :, at : at + t] = o.view(kvh, g, t, d)
         l2[:, :, at : at + t] = sums.view(kvh, g, t)
         at += t
