@@ -20,7 +20,8 @@ from cachegen_core.coders.triton_decoder import interpreting
 from cachegen_core.engine.model import hf, own_decode, packed
 from cachegen_core.kv import KVCache
 from cachegen_core.stores.memory import MemoryStore
-from cachegen_core.testing import make_family_model, words
+from cachegen_core.engine import KVEngine
+from cachegen_core.testing import make_family_model, make_tiny_tokenizer, words
 from tests import test_packed
 
 
@@ -149,8 +150,6 @@ def test_a_launch_that_fails_is_said_once_and_the_requests_are_read_a_call_each(
 
 
 def test_requests_batched_by_the_scheduler_answer_as_alone_with_the_kernel(tiny_llama, tiny_tokenizer, kernel_on_cpu):
-    from cachegen_core.engine import KVEngine
-
     def engine():
         return KVEngine(tiny_llama, tiny_tokenizer, store=MemoryStore(), chunk_tokens=32, partial_step=8, level="lossless", background=False)
 
@@ -163,3 +162,18 @@ def test_requests_batched_by_the_scheduler_answer_as_alone_with_the_kernel(tiny_
     answers = eng.generate_many(prompts, max_new_tokens=10)
     assert [text for text, _ in answers] == alone
     assert len(kernel_on_cpu) > launches and max(kernel_on_cpu) >= 3  # decode steps of several requests in one launch
+
+
+def test_cachegen_decode_kernel_0_reads_each_request_a_call(kernel_on_cpu, monkeypatch):
+    monkeypatch.setenv("CACHEGEN_DECODE_KERNEL", "0")
+    own_decode.enabled.cache_clear()
+    try:
+        _decode_steps("llama")
+        assert kernel_on_cpu == []  # never launched: the same logits by a call per request
+        monkeypatch.setenv("CACHEGEN_DECODE_KERNEL", "fast")
+        own_decode.enabled.cache_clear()
+        with pytest.raises(ValueError, match="CACHEGEN_DECODE_KERNEL='fast'"):  # when an engine is built, not in a step
+            KVEngine(make_family_model("llama"), make_tiny_tokenizer(), store=MemoryStore(), background=False)
+    finally:
+        monkeypatch.delenv("CACHEGEN_DECODE_KERNEL")
+        own_decode.enabled.cache_clear()

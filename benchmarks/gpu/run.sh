@@ -6,7 +6,8 @@
 #
 #   bash benchmarks/gpu/run.sh [--dry-run] [STEP ...]     STEP: warm8k warm32k fresh coder tests (default: these, in this
 #                                                         order), groups (the transform-group A/B, 80 s) or batch (many
-#                                                         users at once on 8K contexts, issue 53's GPU rows, 300 s): asked alone
+#                                                         users at once on 8K contexts, issue 53's GPU rows, 300 s; batch-calls:
+#                                                         the same without the decode kernel, a call per request): asked alone
 #
 # A 7B-shaped bf16 Llama (random weights: timing only) at 7,680 and 30,720 tokens: recompute (text), fp16 naive over
 # the store, the hardware's floor (fp16-pinned: pinned copy + question prefill, transformers alone), the engine
@@ -58,6 +59,9 @@ for s in $STEPS; do
     tests) step 80 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
     batch) step 300 batch "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" --data "$DATA" --workloads shared own \
              --new-tokens 64 --modes threads --arrivals together --join 0 "${BATCH[@]}" --out "$OUT/concurrency.jsonl" ;;
+    batch-calls) step 300 batch_calls env CACHEGEN_DECODE_KERNEL=0 "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" \
+             --data "$DATA" --workloads shared own --new-tokens 64 --modes threads --arrivals together --join 0 "${BATCH[@]}" \
+             --out "$OUT/concurrency_calls.jsonl" ;;
     groups) step 80 groups "$PY" -m benchmarks.transform_groups --device "$DEV" --out "$OUT/transform_groups.jsonl" ;;
     *) echo "unknown step $s" | tee -a "$L" ;;
   esac

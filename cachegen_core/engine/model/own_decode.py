@@ -11,12 +11,14 @@ comes out too for requests whose tails are combined with a shared prefix's atten
 Where it runs: :data:`DEVICES` (CUDA; the tests add the CPU under Triton's interpreter), with Triton importable, no
 logit soft-capping, and every buffer of the keys' dtype, its tokens contiguous, with room for the new token (checked
 before a launch: the kernel writes through raw addresses). A launch that fails is said once and the device's packed
-forward goes back to a call per request (:data:`FAILED`).
+forward goes back to a call per request (:data:`FAILED`). ``CACHEGEN_DECODE_KERNEL=0`` (read once, when an engine is built) turns it off: the
+call per request, to compare the two on a GPU.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -40,9 +42,20 @@ def _kernel() -> Any:
     return own_decode_kernel
 
 
+@lru_cache(maxsize=1)
+def enabled() -> bool:
+    """``CACHEGEN_DECODE_KERNEL`` (default on; ``0``, ``false``, ``no``, ``off``: off), read once."""
+    value = os.environ.get("CACHEGEN_DECODE_KERNEL", "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"CACHEGEN_DECODE_KERNEL={value!r} is not on or off (1 or 0)")
+
+
 def usable(device: torch.device, softcap: float | None) -> bool:
     """Whether the kernel may run for a forward on ``device``."""
-    if device.type not in DEVICES or softcap or device.type in FAILED:
+    if device.type not in DEVICES or softcap or device.type in FAILED or not enabled():
         return False
     from ...coders.triton_decoder import _triton_error  # noqa: PLC0415
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..model import hf, packed
+from ..model import hf, own_decode, packed
 from .request import Job, State
 from .turns import TURNS, Turns
 
@@ -76,6 +76,7 @@ class Scheduler:
         self.model, self.tokenizer, self.turns = model, tokenizer, turns
         self.windows = hf.cache_layers(model)
         self.why_not = packed.packs(model)  # None: requests are batched
+        own_decode.enabled()  # a CACHEGEN_DECODE_KERNEL that is not on or off stops the engine's construction, not a step
         self.prefill_seconds, self.observe_prefill, self.max_batch = prefill_seconds, observe_prefill, max_batch
         self.lock = threading.Lock()  # held for each step: model work outside steps takes it too
         self._cond = threading.Condition()
