@@ -1,8 +1,8 @@
 #!/bin/bash
 # Issue 46's whole table on a lent GPU machine, in about 8 device-minutes: the device tool's `run` with carry
-# [".gpu", ".whl"] after benchmarks/gpu/prepare.sh. The steps' timeouts add up to 600 s (the tool's limit is 600 s a
+# [".gpu", ".whl"] after benchmarks/gpu/prepare.sh. The steps' timeouts add up to 640 s (the tool's limit is 600 s a
 # call, the machine's start not included): two calls, `... run.sh warm8k warm32k` (340 s) and
-# `... run.sh fresh coder tests` (260 s), each with OUT set apart or the second's log appended to the first's.
+# `... run.sh fresh coder tests` (300 s), each with OUT set apart or the second's log appended to the first's.
 #
 #   bash benchmarks/gpu/run.sh [--dry-run] [STEP ...]     STEP: warm8k warm32k fresh coder tests (default: these, in this
 #                                                         order), groups (the transform-group A/B, 80 s) or batch (many
@@ -56,7 +56,7 @@ for s in $STEPS; do
              --context $CTX8 --requests 4 --idle 12 --paired 3 --data "$DATA" --out "$OUT/first_request.jsonl" ;;
     coder) step 70 coder "$PY" -m benchmarks.coder_throughput "${CODER[@]}" --no-real --no-torchac --cpu-threads "" \
              --out "$OUT/coder_triton_7b.jsonl" ;;
-    tests) step 80 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
+    tests) step 120 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
     batch) step 300 batch "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" --data "$DATA" --workloads shared own \
              --new-tokens 64 --modes threads --arrivals together --join 0 "${BATCH[@]}" --out "$OUT/concurrency.jsonl" ;;
     batch-calls) step 300 batch_calls env CACHEGEN_DECODE_KERNEL=0 "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" \
