@@ -17,6 +17,7 @@ call per request, to compare the two on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -112,12 +113,15 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: B
         return False  # the kernel stores the new keys and values into the buffers as they are
     g = heads // kv_heads
     gp, dp = triton_pow2(g), triton_pow2(head_dim)
+    # Triton launches on the current device: the tensors' own
+    on = torch.cuda.device(query.device) if query.device.type == "cuda" else contextlib.nullcontext()
     try:
-        _kernel()[(len(batch), kv_heads)](
-            query, query.stride(1), query.stride(2), key, key.stride(1), key.stride(2), value, value.stride(1), value.stride(2),
-            batch.qrow, batch.orow, batch.kaddr, batch.vaddr, batch.stride_l, batch.stride_h, batch.first(window), batch.filled,
-            out, out.stride(1), out.stride(2), lse if lse is not None else out, layer, scale,
-            G=g, GP=gp, D=head_dim, DP=dp, BLOCK=block(gp, dp), WRITE_LSE=lse is not None, num_warps=4)  # fmt: skip
+        with on:
+            _kernel()[(len(batch), kv_heads)](
+                query, query.stride(1), query.stride(2), key, key.stride(1), key.stride(2), value, value.stride(1), value.stride(2),
+                batch.qrow, batch.orow, batch.kaddr, batch.vaddr, batch.stride_l, batch.stride_h, batch.first(window), batch.filled,
+                out, out.stride(1), out.stride(2), lse if lse is not None else out, layer, scale,
+                G=g, GP=gp, D=head_dim, DP=dp, BLOCK=block(gp, dp), WRITE_LSE=lse is not None, num_warps=4)  # fmt: skip
     except Exception as e:  # noqa: BLE001  the compiler's and the driver's error types vary across Triton versions
         FAILED[query.device.type] = f"{type(e).__name__}: {e}"
         log.warning("the decode attention kernel failed on %s (%s): requests read one call each", query.device.type, e)
