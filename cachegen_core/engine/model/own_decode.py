@@ -2,17 +2,20 @@
 
 Each request's KV buffer is an allocation of its own, so the packed forward (``packed.py``) reads each with a call of
 its own, after copying its new key and value into it: about four kernel launches per request and layer. On a GPU those
-launches, not the arithmetic, are a decode step of many requests (16 requests of a 32-layer model: ~2,000 a step, each
-some microseconds of the CPU's time, against a few milliseconds of the GPU's). Here one Triton launch a layer
-(``decode_kernel.py``) does it for every request that decodes one token: each request's buffer is found by its address
-in a table built once a forward (:class:`Batch`), the new key and value are written by the kernel, and the log-sum-exp
-comes out too for requests whose tails are combined with a shared prefix's attention.
+launches, not the arithmetic, should bound a decode step of many requests on short contexts (an estimate, not yet
+measured on a GPU: 16 requests of a 32-layer model make ~2,000 launches a step, some microseconds of the CPU's time
+each, against a few milliseconds of the GPU's work). Here one Triton launch a layer (``decode_kernel.py``) does it for
+every request that decodes one token: each request's buffer is found by its address in a table built once a forward
+(:class:`Batch`), the new key and value are written by the kernel, and the log-sum-exp comes out too for requests
+whose tails are combined with a shared prefix's attention.
 
 Where it runs: :data:`DEVICES` (CUDA; the tests add the CPU under Triton's interpreter), with Triton importable, no
 logit soft-capping, and every buffer of the keys' dtype, its tokens contiguous, with room for the new token (checked
 before a launch: the kernel writes through raw addresses). A launch that fails is said once and the device's packed
-forward goes back to a call per request (:data:`FAILED`). ``CACHEGEN_DECODE_KERNEL=0`` (read once, when an engine is built) turns it off: the
-call per request, to compare the two on a GPU.
+forward goes back to a call per request (:data:`FAILED`). ``CACHEGEN_DECODE_KERNEL=0`` (read once, when an engine is
+built) turns it off: the call per request, which ``benchmarks/gpu/run.sh batch-calls`` measures beside ``batch``.
+A program reads one request's keys for one KV head in sequence (no split of the keys): with few requests on long
+contexts and few KV heads it may use only part of a GPU, which those two rows would show.
 """
 
 from __future__ import annotations
