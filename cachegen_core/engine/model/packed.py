@@ -72,6 +72,11 @@ class Part:
         """The position of the part's first new token."""
         return self.offset + self.filled
 
+    def store(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Its new tokens' keys and values at ``layer`` (its rows of the forward's (1, kv_heads, T, head_dim)) into its buffer."""
+        self.own.keys[layer, :, self.filled : self.filled + self.tokens].copy_(keys[0, :, self.start : self.stop])
+        self.own.values[layer, :, self.filled : self.filled + self.tokens].copy_(values[0, :, self.start : self.stop])
+
 
 @dataclass
 class Plan:
@@ -118,8 +123,7 @@ class Plan:
         by the cache, their attention by the calls of each part."""
         for p in self.parts:
             if id(p) in self.kernel_parts:
-                p.own.keys[layer, :, p.filled].copy_(key[0, :, p.start])
-                p.own.values[layer, :, p.filled].copy_(value[0, :, p.start])
+                p.store(layer, key, value)
         self.batches, self.kernel_parts = {}, set()
 
 
@@ -178,10 +182,8 @@ class PlanCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         for p in self.plan.parts:
-            if id(p) in self.plan.kernel_parts:  # the kernel writes them
-                continue
-            p.own.keys[layer_idx, :, p.filled : p.filled + p.tokens].copy_(key_states[0, :, p.start : p.stop])
-            p.own.values[layer_idx, :, p.filled : p.filled + p.tokens].copy_(value_states[0, :, p.start : p.stop])
+            if id(p) not in self.plan.kernel_parts:  # the kernel writes those
+                p.store(layer_idx, key_states, value_states)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
