@@ -61,7 +61,7 @@ def main() -> int:
         fn = getattr(triton_kernels, name, None) or getattr(decode_kernel, name)
         signature = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs=consts)
-        options = gpu_options(int(consts["S"])) if "S" in consts else {"num_warps": 4}  # type: ignore[call-overload]
+        options = gpu_options(int(consts["S"])) if "S" in consts else {"num_warps": 4}
         try:
             kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)  # type: ignore[call-overload]
         except Exception as e:  # noqa: BLE001  the compiler's own error types vary across Triton versions

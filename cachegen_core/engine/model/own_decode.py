@@ -57,13 +57,16 @@ def enabled() -> bool:
     raise ValueError(f"CACHEGEN_DECODE_KERNEL={value!r} is not on or off (1 or 0)")
 
 
-def usable(device: torch.device, softcap: float | None) -> bool:
-    """Whether the kernel may run for a forward on ``device``."""
-    if device.type not in DEVICES or softcap or device.type in FAILED or not enabled():
-        return False
+@lru_cache(maxsize=1)
+def _triton() -> bool:
     from ...coders.triton_decoder import _triton_error  # noqa: PLC0415
 
     return _triton_error() is None
+
+
+def usable(device: torch.device, softcap: float | None) -> bool:
+    """Whether the kernel may run for a forward on ``device`` (Triton's import tried once, not every forward)."""
+    return device.type in DEVICES and not softcap and device.type not in FAILED and enabled() and _triton()
 
 
 class Batch:
