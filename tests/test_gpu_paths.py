@@ -77,44 +77,15 @@ def test_an_engine_on_the_gpu_stores_without_waiting_and_answers_as_without_a_ca
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-3), (torch.bfloat16, 5e-2)])
 def test_requests_sharing_a_prefix_decode_on_the_gpu_by_its_fused_kernel_as_each_alone(dtype, tol, monkeypatch):
-    """The packed forward on CUDA: the shared prefix's attention and the decoding tails' by torch's memory-efficient
-    kernel (with its log-sum-exp), never falling back by hand; each request's logits as the model gives it alone."""
-    from cachegen_core.engine.model import hf, lse, packed
-    from cachegen_core.testing import make_family_model
+    """The packed forward on CUDA without the decode kernel: the shared prefix's attention and the decoding tails' by
+    torch's memory-efficient kernel (with its log-sum-exp), never falling back by hand; each request's logits as the
+    model gives it alone."""
+    from cachegen_core.engine.model import lse, own_decode
+    from tests.test_own_decode import _decode_steps
 
     monkeypatch.setattr(lse, "UNFUSED", {})
-    model = make_family_model("llama", dtype=dtype).cuda()
-    windows, (layers, heads, dim) = hf.cache_layers(model), hf.kv_geometry(model.config)
-    ids = torch.randint(3, 120, (120,), generator=torch.Generator().manual_seed(1)).tolist()
-    prefix, a, b = ids[:70], ids[:70] + ids[70:83], ids[:70] + ids[83:112]
-
-    def buffer(n):
-        return KVCache(torch.zeros(layers, heads, n, dim, dtype=dtype, device="cuda"), torch.zeros(layers, heads, n, dim, dtype=dtype, device="cuda"))
-
-    def alone(x):
-        with torch.no_grad():
-            return model(torch.tensor([x], device="cuda")).logits[0, -1].float()
-
-    def step(tokens, positions, parts, keep):
-        plan = packed.Plan(parts, windows)
-        return packed.forward(
-            model, torch.tensor(tokens, device="cuda"), torch.tensor(positions, device="cuda"), plan, torch.tensor(keep, device="cuda")
-        )
-
-    shared, own_a, own_b = buffer(70), buffer(40), buffer(40)
-    step(prefix, list(range(70)), [packed.Part(0, 70, shared, 0)], [69])
-    step(
-        a[70:] + b[70:],
-        [*range(70, 83), *range(70, 99)],
-        [packed.Part(0, 13, own_a, 0, 70, shared), packed.Part(13, 42, own_b, 0, 70, shared)],
-        [12, 41],
-    )
-    nxt = [int(alone(a).argmax()), int(alone(b).argmax())]
-    logits = step(
-        nxt, [83, 99], [packed.Part(0, 1, own_a, 13, 70, shared), packed.Part(1, 2, own_b, 29, 70, shared)], [0, 1]
-    )  # decoding: tails in one call
-    for row, full in zip(logits, (a + nxt[:1], b + nxt[1:])):
-        torch.testing.assert_close(row, alone(full), atol=tol, rtol=tol)
+    monkeypatch.setattr(own_decode, "DEVICES", set())
+    _decode_steps("llama", "cuda", dtype, tol)
     assert not lse.UNFUSED  # the fused kernel ran: no float32 copies of the prefix by hand
 
 
@@ -124,11 +95,8 @@ def test_decoding_requests_on_the_gpu_are_read_by_one_kernel_launch_a_layer_as_e
     on a shared prefix and on their own KV, each with the logits the model gives it alone; the kernel launched, never
     failed."""
     from cachegen_core.engine.model import own_decode
-    from tests.test_own_decode import _decode_steps
+    from tests.test_own_decode import _decode_steps, record_launches
 
-    monkeypatch.setattr(own_decode, "FAILED", {})
-    launches = []
-    attend = own_decode.attend
-    monkeypatch.setattr(own_decode, "attend", lambda *a, **k: launches.append(len(a[3])) or attend(*a, **k))
+    launches = record_launches(monkeypatch)
     _decode_steps("llama", "cuda", dtype, tol)
     assert launches == [2] * 8 and not own_decode.FAILED

@@ -34,6 +34,11 @@ def kernel_on_cpu(monkeypatch):
     if not interpreting():
         pytest.skip(NOT_INTERPRETED)
     monkeypatch.setattr(own_decode, "DEVICES", {"cuda", "cpu"})
+    return record_launches(monkeypatch)
+
+
+def record_launches(monkeypatch) -> list[int]:
+    """The kernel's launches from now on (how many requests each read), none failed before."""
     monkeypatch.setattr(own_decode, "FAILED", {})
     launches: list[int] = []
     attend = own_decode.attend
