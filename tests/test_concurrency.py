@@ -70,6 +70,16 @@ def test_the_ceiling_is_plain_transformers_batched_step(tiny_model_dir, tmp_path
     assert all(r["step_s"] > 0 and r["speedup"] > 0 for r in rows)
 
 
+def test_the_engines_step_is_timed_beside_plain_transformers(tiny_model_dir, tmp_path):
+    out = tmp_path / "ceiling.jsonl"
+    ceiling.main(["--model", tiny_model_dir, "--users", "1", "3", "--tokens", "64", "--engine", "--pairs", "2", "--out", str(out)])
+    rows = common.results(out)
+    assert {(r["shared"], r["users"]) for r in rows} == {(False, 1), (False, 3), (True, 1), (True, 3)}
+    for r in rows:
+        assert r["engine_step_s"] > 0 and r["engine_of_plain"] == pytest.approx(r["step_s"] / r["engine_step_s"], rel=0.05)  # of rounded seconds
+        assert r["engine_speedup"] == 1.0 if r["users"] == 1 else r["engine_speedup"] > 0
+
+
 def test_staggered_users_start_a_gap_apart_and_answer_as_the_sequential_run(tiny_model_dir, data, tmp_path):
     out = tmp_path / "c.jsonl"
     C.main(["--model", tiny_model_dir, "--data", data, "--users", "1", "3", "--new-tokens", "4", "--modes", "threads", "asyncio",
