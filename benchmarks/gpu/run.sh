@@ -5,8 +5,9 @@
 # `... run.sh fresh coder tests` (300 s), each with OUT set apart or the second's log appended to the first's.
 #
 #   bash benchmarks/gpu/run.sh [--dry-run] [STEP ...]     STEP: warm8k warm32k fresh coder tests (default: these, in this
-#                                                         order), groups (the transform-group A/B, 80 s) or batch (many
-#                                                         users at once on 8K contexts, issue 53's GPU rows, 300 s; batch-calls:
+#                                                         order), groups (the transform-group A/B, 80 s) or batch (the
+#                                                         engine's decode step beside plain transformers', then many users
+#                                                         at once on 8K contexts, issue 53's GPU rows, 390 s; batch-calls:
 #                                                         the same without the decode kernel, a call per request): asked alone
 #
 # A 7B-shaped bf16 Llama (random weights: timing only) at 7,680 and 30,720 tokens: recompute (text), fp16 naive over
@@ -28,9 +29,11 @@ if [ $DRY = 1 ]; then  # this machine's own cache (the reference tokenizer conve
   PY=${PY:-python3}; DEV=cpu; MODEL="llama-shaped:layers=2,hidden=128,heads=4,kv_heads=2,intermediate=256"
   CTX8=3072; CTX32=6144; REPS8=1; REPS32=1; DATA=${DATA:-../shared/data/longchat_dev.jsonl}; THREADS=1
   CODER=(--quick --device cpu); TESTS=(tests/test_gpu_paths.py tests/test_pinned.py); BATCH=(--users 1 2 --context-tokens 460)
+  STEPS_AT=(--users 1 2 --tokens 460 --pairs 2)
 else
   PY=${PY:-python3}; DEV=cuda; MODEL=llama-7b-shaped; CTX8=7680; CTX32=30720; REPS8=3; REPS32=2
   DATA=.gpu/longchat_dev.jsonl; THREADS=16; CODER=(--device cuda); BATCH=(--users 1 4 16 --context-tokens 8192)
+  STEPS_AT=(--users 1 4 8 --tokens 8192 --pairs 5)  # 8 own 8K buffers: 34 GB
   TESTS=(tests/test_gpu_paths.py tests/test_triton_decoder.py tests/test_pinned_paths.py tests/test_raw.py)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.gpu/bin:$PATH CACHEGEN_TOKENIZER_DIR=$PWD/.gpu/tok CACHEGEN_NATIVE_LIB=$PWD/.gpu/_native.so \
@@ -57,9 +60,13 @@ for s in $STEPS; do
     coder) step 70 coder "$PY" -m benchmarks.coder_throughput "${CODER[@]}" --no-real --no-torchac --cpu-threads "" \
              --out "$OUT/coder_triton_7b.jsonl" ;;
     tests) step 120 tests "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
-    batch) step 300 batch "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" --data "$DATA" --workloads shared own \
+    batch) step 90 engine_step "$PY" -m benchmarks.ceiling --device "$DEV" --model "$MODEL" --engine "${STEPS_AT[@]}" \
+             --out "$OUT/ceiling_engine.jsonl"
+           step 300 batch "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" --data "$DATA" --workloads shared own \
              --new-tokens 64 --modes threads --arrivals together --join 0 "${BATCH[@]}" --out "$OUT/concurrency.jsonl" ;;
-    batch-calls) step 300 batch_calls env CACHEGEN_DECODE_KERNEL=0 "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" \
+    batch-calls) step 90 engine_step_calls env CACHEGEN_DECODE_KERNEL=0 "$PY" -m benchmarks.ceiling --device "$DEV" --model "$MODEL" \
+             --engine "${STEPS_AT[@]}" --out "$OUT/ceiling_engine_calls.jsonl"
+           step 300 batch_calls env CACHEGEN_DECODE_KERNEL=0 "$PY" -m benchmarks.concurrency --device "$DEV" --model "$MODEL" \
              --data "$DATA" --workloads shared own --new-tokens 64 --modes threads --arrivals together --join 0 "${BATCH[@]}" \
              --out "$OUT/concurrency_calls.jsonl" ;;
     groups) step 80 groups "$PY" -m benchmarks.transform_groups --device "$DEV" --out "$OUT/transform_groups.jsonl" ;;
